@@ -39,6 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 256], metavar="N")
     bench.set_defaults(func=_bench)
 
+    simulate = sub.add_parser(
+        "simulate",
+        help="replay a workload through the block manager for a model and memory budget",
+    )
+    from kvpool.sim import cli as sim_cli
+
+    sim_cli.add_arguments(simulate)
+    simulate.set_defaults(func=sim_cli.run)
+
     serve = sub.add_parser("serve", help="serve a model over HTTP")
     serve.set_defaults(func=_serve)
     return parser
