@@ -191,6 +191,19 @@ def test_out_of_blocks_changes_nothing():
     check_invariants(m)
 
 
+def test_keep_free_is_an_admission_watermark():
+    m = make(4)
+    m.allocate("a", range(8))
+    m.free("a")
+    with pytest.raises(OutOfBlocks):
+        m.allocate("b", range(100, 109), keep_free=2)  # 3 new + 2 kept > 4
+    assert m.count_cached_tokens([*range(8), 0]) == 8  # nothing was evicted for it
+    with pytest.raises(OutOfBlocks):
+        m.allocate("c", [*range(8), 1], keep_free=2)  # 2 hits + 1 new leave 1 available
+    m.allocate("c", [*range(8), 1], keep_free=1)
+    check_invariants(m)
+
+
 def test_sequence_id_errors():
     m = make()
     m.allocate("a", [1])

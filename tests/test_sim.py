@@ -121,7 +121,7 @@ def test_paged_reserves_within_one_block_per_sequence_of_live_tokens():
     s = r.series
     for running, reserved, live in zip(s.running, s.reserved_bytes, s.logical_bytes, strict=True):
         assert 0 <= reserved - live < 16 * running
-    assert len(s.t) == r.steps
+    assert len(s.t) > 100  # sampled at every event and at the end of every quiet run
 
 
 def test_shared_prefix_raises_capacity_and_hit_rate():

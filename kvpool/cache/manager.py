@@ -143,6 +143,7 @@ class KVCacheManager:
         *,
         computed: bool = True,
         reserve_tokens: int = 0,
+        keep_free: int = 0,
     ) -> Allocation:
         """Blocks for a new sequence's prompt: cached full blocks of its longest cached
         prefix, new blocks for the rest. Nothing is taken for future output unless
@@ -150,6 +151,9 @@ class KVCacheManager:
 
         The hit stops short of the block holding the last prompt token, so that token is
         always computed, into a block the sequence owns.
+
+        ``keep_free`` is an admission watermark: the call fails (``OutOfBlocks``) unless
+        that many blocks stay available afterwards, for the running sequences to grow.
         """
         if seq_id in self._seqs:
             raise SequenceExists(seq_id)
@@ -164,8 +168,8 @@ class KVCacheManager:
             hits, keys = self._match_prefix(tokens, salt_b, (len(tokens) - 1) // bs)
         num_new = self.blocks_needed(max(len(tokens), reserve_tokens)) - len(hits)
         available = self.pool.num_free - sum(1 for block in hits if block.ref_count == 0)
-        if num_new > available:
-            raise OutOfBlocks(num_new, available, "allocate")
+        if num_new + keep_free > available:
+            raise OutOfBlocks(num_new + keep_free, available, "allocate")
 
         for block in hits:
             self.pool.acquire(block)

@@ -49,11 +49,15 @@ class RooflineCost:
         self.overhead_s = overhead_s
 
     def step_time(self, step: StepCost) -> float:
-        memory = (
-            self.weight_bytes + step.context_tokens * self.kv_bytes_per_token
-        ) / self.bandwidth
+        kv_read = step.context_tokens * self.kv_bytes_per_token
+        memory = (self.weight_bytes + kv_read) / self.bandwidth
         compute = (step.decode_tokens + step.prefill_tokens) * self.flops_per_token / self.flops
         return self.overhead_s + max(memory, compute)
+
+    def decode_step_time(self, decode_tokens: int, context_tokens: int) -> float:
+        """``step_time`` of a step without prefill, on plain numbers (the quiet-step loop)."""
+        memory = (self.weight_bytes + context_tokens * self.kv_bytes_per_token) / self.bandwidth
+        return self.overhead_s + max(memory, decode_tokens * self.flops_per_token / self.flops)
 
     def describe(self) -> str:
         return (
@@ -69,6 +73,9 @@ class ConstantCost:
         self.step_s = step_s
 
     def step_time(self, step: StepCost) -> float:
+        return self.step_s
+
+    def decode_step_time(self, decode_tokens: int, context_tokens: int) -> float:
         return self.step_s
 
     def describe(self) -> str:

@@ -143,11 +143,19 @@ def simulate(workload: Workload, cfg: SimConfig, cost, *, progress: bool = False
 
 
 class _Replay:
+    """One replay. State lives in attributes; ``run`` is the step loop.
+
+    Per step: arrivals join the queue; sequences entering a new block grow (preempting
+    the most recently admitted on ``OutOfBlocks``); waiting requests are admitted first
+    come first served; the step's time is charged; finished sequences are freed. Between
+    events (a block boundary, a completion, an arrival that could be admitted) steps are
+    pure decode and ``_quiet_steps`` runs them in a tight loop without the manager.
+    """
+
     def __init__(self, workload: Workload, cfg: SimConfig, cost, progress: bool) -> None:
         self.w = workload
         self.cfg = cfg
         self.cost = cost
-        self.show_progress = progress
         self.ctx = workload.context_length
         self.static = cfg.strategy is Strategy.STATIC
         num_blocks, self.bs = _blocks_for(cfg.strategy, cfg, self.ctx)
@@ -158,271 +166,357 @@ class _Replay:
                 + f" for strategy {cfg.strategy}"
             )
         self.mgr = KVCacheManager(
-            num_blocks,
-            self.bs,
-            enable_prefix_caching=cfg.strategy is Strategy.PAGED_PREFIX,
+            num_blocks, self.bs, enable_prefix_caching=cfg.strategy is Strategy.PAGED_PREFIX
         )
+        self.prefix = self.mgr.enable_prefix_caching
         self.watermark_blocks = 0 if self.static else int(cfg.watermark * num_blocks)
         self.followers: dict[int, list[Request]] = {}
         for r in workload.requests:
             if r.follows >= 0:
                 self.followers.setdefault(r.follows, []).append(r)
+        self.progress = (
+            Progress(f"simulate {cfg.strategy} block {self.bs}", len(workload.requests))
+            if progress
+            else None
+        )
 
-    # The loop is one long function on purpose: it is the hot path of the simulator.
-    def run(self) -> SimResult:
-        cfg, mgr, bs, ctx, static = self.cfg, self.mgr, self.bs, self.ctx, self.static
-        bpt = cfg.kv_bytes_per_token
-        wall0 = time.perf_counter()
-        mgr_time = 0.0
-
-        arrivals: list[tuple[float, int, Request]] = [
-            (r.arrival, r.request_id, r) for r in self.w.requests if r.follows < 0
+        self.arrivals: list[tuple[float, int, Request]] = [
+            (r.arrival, r.request_id, r) for r in workload.requests if r.follows < 0
         ]
-        heapq.heapify(arrivals)
-        arrival_time: dict[int, float] = {}
-        waiting: deque[tuple[Request, int]] = deque()  # (request, outputs generated so far)
-        running: dict[int, _Running] = {}
-        events: list[tuple[int, int, int]] = []  # (step, kind, seq); kind 0 need, 1 finish
-        next_seq = 0
-        pinned_groups: set[int] = set()
+        heapq.heapify(self.arrivals)
+        self.arrival_time: dict[int, float] = {}
+        self.waiting: deque[tuple[Request, int]] = deque()  # (request, outputs so far)
+        self.running: dict[int, _Running] = {}
+        self.events: list[tuple[int, int, int]] = []  # (step, kind 0 grow / 1 finish, seq)
+        # The head of the queue did not fit: admission is not retried until as many
+        # blocks are available as it lacked (or the head changes).
+        self.admission_blocked = False
+        self.unblock_at_free = 0
+        self.next_seq = 0
+        self.pinned_groups: set[int] = set()
+        self.t = 0.0
+        self.step = 0
+        self.live = 0  # the running sequences' KV slots (logical tokens)
+        self.internal = 0  # unfilled slots in their last blocks (paged strategies)
+        self.completed = self.rejected = self.preemptions = self.output_tokens = 0
+        self.computed_prompt = self.cached_prompt = 0
+        self.queue_delays: list[float] = []
+        self.ttfts: list[float] = []
+        self.first_admitted: set[int] = set()
+        self.max_conc = 0
+        self.acc = [0.0] * 7  # dt, running, reserved, stored, logical, internal, over
+        self.peak_saved = self.peak_reserved = 0.0
+        self.series = Series()
+        self.sample_every = 0.0
+        self.next_sample = 0.0
+        self.mgr_time = 0.0
 
-        t = 0.0
-        step = 0
-        live = 0  # sum of the running sequences' KV slots (logical tokens)
-        internal = 0  # unfilled slots in the running sequences' last blocks (paged)
-        completed = rejected = preemptions = output_tokens = 0
-        computed_prompt = cached_prompt = 0
-        queue_delays: list[float] = []
-        ttfts: list[float] = []
-        first_admit: set[int] = set()
-        max_conc = 0
-        acc_dt = acc_conc = acc_reserved = acc_stored = acc_internal = acc_over = 0.0
-        acc_logical = 0.0
-        peak_saved = peak_reserved = 0.0
-        series = Series()
-        sample_every = 0.0
-        next_sample = 0.0
-
-        def remove(run: _Running, slots: int) -> None:
-            nonlocal live, internal, mgr_time
-            live -= slots
-            if not static:
-                internal -= (-slots) % bs
-            t0 = time.perf_counter()
-            if mgr.enable_prefix_caching and slots > run.synced:
-                mgr.append(run.seq, run.tokens[run.synced : slots])  # findable when resumed
-            mgr.free(run.seq)
-            mgr_time += time.perf_counter() - t0
-            del running[run.seq]
-
-        def reject(req: Request) -> None:
-            nonlocal rejected
-            rejected += 1
-            for follower in self.followers.get(req.request_id, ()):
-                reject(follower)
-
-        total = len(self.w.requests)
-        prog = Progress(f"simulate {cfg.strategy} bs={bs}", total) if self.show_progress else None
+    # -- the loop ------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        wall0 = time.perf_counter()
         while True:
-            # 1. arrivals
-            if not running and not waiting:
-                if not arrivals:
+            if not self.running and not self.waiting:
+                if not self.arrivals:
                     break
-                t = max(t, arrivals[0][0])
-            while arrivals and arrivals[0][0] <= t:
-                _, _, req = heapq.heappop(arrivals)
-                arrival_time[req.request_id] = t if req.follows >= 0 else req.arrival
-                waiting.append((req, 0))
+                self.t = max(self.t, self.arrivals[0][0])
+            self._arrive()
+            grew = self._grow()
+            n_decode, context = len(self.running), self.live
+            first = self._admit() if self.waiting and not self.admission_blocked else (0, [])
+            if not self.running:
+                continue  # everything waiting was rejected
+            prefill, first_ids = first
+            self._tick(n_decode, prefill, context, grew)
+            self.ttfts.extend(self.t - self.arrival_time[rid] for rid in first_ids)
+            self._complete()
+            self.step += 1
+            self._quiet_steps()
+        if self.progress:
+            self.progress.__exit__()
+        return self._result(time.perf_counter() - wall0)
 
-            # 2. growth: sequences entering a new block this step
-            grown: list[int] = []
-            while events and events[0][0] == step and events[0][1] == 0:
-                _, _, seq = heapq.heappop(events)
-                run = running.get(seq)
-                if run is None:
-                    continue  # preempted earlier
-                k = step - run.admit_step
-                upto = run.prompt_len + k
-                while True:
-                    try:
-                        t0 = time.perf_counter()
-                        mgr.append(seq, run.tokens[run.synced : upto])
-                        mgr_time += time.perf_counter() - t0
-                        run.synced = upto
-                        grown.append(seq)
-                        if step + bs <= run.finish_step:
-                            heapq.heappush(events, (step + bs, 0, seq))
-                        break
-                    except OutOfBlocks:
-                        mgr_time += time.perf_counter() - t0
-                        victim = running[max(running)]  # the most recently admitted
-                        vk = step - victim.admit_step
-                        remove(victim, victim.prompt_len + vk - 1)
-                        preemptions += 1
-                        if victim is run:
-                            if not running:  # cannot grow even alone
-                                reject(run.req)
-                            else:
-                                waiting.appendleft((run.req, run.gen0 + vk))
-                            break
-                        waiting.appendleft((victim.req, victim.gen0 + vk))
-            # Any remaining "need" events of this step belong to preempted sequences.
-            while events and events[0][0] == step and events[0][1] == 0:
-                heapq.heappop(events)
-            grew = sum(1 for seq in grown if seq in running)  # victims grew for nothing
-            n_decode = len(running)
-            context_tokens = live
-            first_tokens: list[int] = []
+    def _arrive(self) -> None:
+        while self.arrivals and self.arrivals[0][0] <= self.t:
+            at, _, req = heapq.heappop(self.arrivals)
+            self.arrival_time[req.request_id] = at
+            self.waiting.append((req, 0))
 
-            # 3. admission, first come first served
-            prefill = 0
-            while waiting and prefill < cfg.max_prefill_tokens:
-                req, gen = waiting[0]
-                out_len = min(req.output_len, ctx - req.prompt_len)
-                if out_len < 1 or (
-                    not static and mgr.blocks_needed(req.prompt_len + out_len - 1) > mgr.num_blocks
-                ):
-                    waiting.popleft()
-                    reject(req)
-                    continue
-                tokens = req.prompt_tokens() + req.output_tokens()[:out_len]
-                plen = req.prompt_len + gen
+    def _grow(self) -> int:
+        """Sequences whose next token starts a block take one; returns how many did."""
+        mgr, events, running = self.mgr, self.events, self.running
+        grown: list[int] = []
+        while events and events[0][0] == self.step and events[0][1] == 0:
+            seq = heapq.heappop(events)[2]
+            run = running.get(seq)
+            if run is None:
+                continue  # preempted
+            upto = run.prompt_len + self.step - run.admit_step
+            while True:
                 t0 = time.perf_counter()
-                if running and not static:
-                    cached = (
-                        mgr.count_cached_tokens(tokens[:plen]) if mgr.enable_prefix_caching else 0
-                    )
-                    if (
-                        mgr.num_free_blocks - mgr.blocks_needed(plen - cached)
-                        < self.watermark_blocks
-                    ):
-                        mgr_time += time.perf_counter() - t0
-                        break
                 try:
-                    alloc = mgr.allocate(
-                        next_seq, tokens[:plen], reserve_tokens=ctx if static else 0
-                    )
+                    mgr.append(seq, run.tokens[run.synced : upto])
                 except OutOfBlocks:
-                    mgr_time += time.perf_counter() - t0
-                    if not running:
-                        waiting.popleft()
-                        reject(req)
-                        continue
-                    break
-                mgr_time += time.perf_counter() - t0
-                waiting.popleft()
-                seq = next_seq
-                next_seq += 1
-                finish = step + (out_len - gen - 1)
-                run = _Running(seq, req, tokens, plen, gen, step, finish, plen)
-                running[seq] = run
-                heapq.heappush(events, (finish, 1, seq))
-                if not static:
-                    first_need = (-(plen - 1)) % bs or bs
-                    if step + first_need <= finish:
-                        heapq.heappush(events, (step + first_need, 0, seq))
-                    internal += (-plen) % bs
-                live += plen
-                prefill += plen - alloc.num_cached_tokens
-                computed_prompt += plen - alloc.num_cached_tokens
-                cached_prompt += alloc.num_cached_tokens
-                if req.request_id not in first_admit:
-                    first_admit.add(req.request_id)
-                    queue_delays.append(t - arrival_time[req.request_id])
-                    first_tokens.append(req.request_id)
-                if cfg.pin_prefixes and mgr.enable_prefix_caching:
-                    for kind, group, length in req.segments[:1]:
-                        if kind == PREFIX and group not in pinned_groups:
-                            pinned_groups.add(group)
-                            with contextlib.suppress(PinLimitExceeded):
-                                mgr.pin(segment_tokens(kind, group, length))
-
-            if not running:
-                continue  # all rejected: the next iteration takes the next arrival
-
-            # 4. the step
-            dt = self.cost.step_time(StepCost(n_decode, prefill, context_tokens))
-            t += dt
-            live += n_decode
-            if not static:
-                internal += bs * grew - n_decode
-            max_conc = max(max_conc, len(running))
-            reserved = mgr.pool.num_used * bs
-            stored = live if static else reserved - internal
-            acc_dt += dt
-            acc_conc += len(running) * dt
-            acc_reserved += reserved * dt
-            acc_stored += stored * dt
-            acc_logical += live * dt
-            acc_internal += (0 if static else internal) * dt
-            acc_over += (reserved - live if static else 0) * dt
-            peak_saved = max(peak_saved, (live - stored) * bpt)
-            peak_reserved = max(peak_reserved, reserved * bpt)
-            ttfts.extend(t - arrival_time[rid] for rid in first_tokens)
-            if t >= next_sample:
-                series.t.append(t)
-                series.running.append(len(running))
-                series.waiting.append(len(waiting))
-                series.reserved_bytes.append(reserved * bpt)
-                series.stored_bytes.append(stored * bpt)
-                series.logical_bytes.append(live * bpt)
-                if len(series.t) >= cfg.max_series_points:
-                    series.decimate()
-                    sample_every = max(sample_every * 2, (t / len(series.t)) or 1e-3)
-                next_sample = t + sample_every
-
-            # 5. completions at the end of the step
-            while events and events[0][0] == step and events[0][1] == 1:
-                _, _, seq = heapq.heappop(events)
-                run = running.get(seq)
-                if run is None:
+                    self.mgr_time += time.perf_counter() - t0
+                    victim = running[max(running)]  # the most recently admitted
+                    self._preempt(victim)
+                    if victim is run:
+                        break
                     continue
-                remove(run, run.prompt_len + (step - run.admit_step))
-                completed += 1
-                output_tokens += run.req.output_len
-                if prog:
-                    prog.advance()
-                for follower in self.followers.get(run.req.request_id, ()):
-                    heapq.heappush(arrivals, (t + follower.arrival, follower.request_id, follower))
-            while events and events[0][0] == step:
-                heapq.heappop(events)  # stale events of preempted sequences
-            step += 1
+                self.mgr_time += time.perf_counter() - t0
+                run.synced = upto
+                grown.append(seq)
+                if self.step + self.bs <= run.finish_step:
+                    heapq.heappush(events, (self.step + self.bs, 0, seq))
+                break
+        return sum(1 for seq in grown if seq in running)  # a victim grew for nothing
 
-        if prog:
-            prog.__exit__()
-        stats = mgr.stats()
-        busy = acc_dt or 1.0
+    def _preempt(self, victim: _Running) -> None:
+        done = self.step - victim.admit_step  # steps run since admission
+        self._remove(victim, victim.prompt_len + done - 1)
+        self.preemptions += 1
+        if not self.running:
+            self._reject(victim.req)  # cannot grow even alone (pins hold the rest)
+        else:
+            self.waiting.appendleft((victim.req, victim.gen0 + done))
+            self.admission_blocked = False
+
+    def _remove(self, run: _Running, slots: int) -> None:
+        self.live -= slots
+        if not self.static:
+            self.internal -= (-slots) % self.bs
+        t0 = time.perf_counter()
+        if self.prefix and slots > run.synced:
+            self.mgr.append(run.seq, run.tokens[run.synced : slots])  # full blocks findable
+        self.mgr.free(run.seq)
+        self.mgr_time += time.perf_counter() - t0
+        del self.running[run.seq]
+        if self.mgr.num_free_blocks >= self.unblock_at_free:
+            self.admission_blocked = False
+
+    def _reject(self, req: Request) -> None:
+        self.rejected += 1
+        if self.progress:
+            self.progress.advance()
+        for follower in self.followers.get(req.request_id, ()):
+            self._reject(follower)
+
+    def _admit(self) -> tuple[int, list[int]]:
+        """Admit waiting requests in order while memory and the prefill budget allow.
+        Returns the prompt tokens to compute and the requests getting their first token."""
+        mgr, bs, ctx, static = self.mgr, self.bs, self.ctx, self.static
+        prefill = 0
+        first_ids: list[int] = []
+        while self.waiting and prefill < self.cfg.max_prefill_tokens:
+            req, gen = self.waiting[0]
+            out_len = min(req.output_len, ctx - req.prompt_len)
+            if out_len < 1 or (
+                not static and mgr.blocks_needed(req.prompt_len + out_len - 1) > mgr.num_blocks
+            ):
+                self.waiting.popleft()
+                self._reject(req)
+                continue
+            plen = req.prompt_len + gen
+            tokens = req.prompt_tokens() + req.output_tokens()[:out_len]
+            keep_free = self.watermark_blocks if self.running else 0
+            t0 = time.perf_counter()
+            try:
+                alloc = mgr.allocate(
+                    self.next_seq,
+                    tokens[:plen],
+                    reserve_tokens=ctx if static else 0,
+                    keep_free=keep_free,
+                )
+            except OutOfBlocks as short:
+                self.mgr_time += time.perf_counter() - t0
+                if not self.running:
+                    self.waiting.popleft()
+                    self._reject(req)
+                    continue
+                self.admission_blocked = True
+                self.unblock_at_free = mgr.num_free_blocks + short.needed - short.free
+                break
+            self.mgr_time += time.perf_counter() - t0
+            self.waiting.popleft()
+            seq = self.next_seq
+            self.next_seq += 1
+            finish = self.step + (out_len - gen - 1)
+            self.running[seq] = _Running(seq, req, tokens, plen, gen, self.step, finish, plen)
+            heapq.heappush(self.events, (finish, 1, seq))
+            if not static:
+                first_growth = (-(plen - 1)) % bs or bs
+                if self.step + first_growth <= finish:
+                    heapq.heappush(self.events, (self.step + first_growth, 0, seq))
+                self.internal += (-plen) % bs
+            self.live += plen
+            computed = plen - alloc.num_cached_tokens
+            prefill += computed
+            self.computed_prompt += computed
+            self.cached_prompt += alloc.num_cached_tokens
+            if req.request_id not in self.first_admitted:
+                self.first_admitted.add(req.request_id)
+                self.queue_delays.append(self.t - self.arrival_time[req.request_id])
+                first_ids.append(req.request_id)
+            if self.cfg.pin_prefixes and self.prefix:
+                self._pin_prefix_of(req)
+        return prefill, first_ids
+
+    def _pin_prefix_of(self, req: Request) -> None:
+        for kind, group, length in req.segments[:1]:
+            if kind == PREFIX and group not in self.pinned_groups:
+                self.pinned_groups.add(group)
+                with contextlib.suppress(PinLimitExceeded):
+                    self.mgr.pin(segment_tokens(kind, group, length))
+
+    def _tick(self, n_decode: int, prefill: int, context: int, grew: int) -> None:
+        """Charge one step's time and account its memory figures."""
+        dt = self.cost.step_time(StepCost(n_decode, prefill, context))
+        self.t += dt
+        self.live += n_decode
+        if not self.static:
+            self.internal += self.bs * grew - n_decode
+        self._account(dt)
+
+    def _account(self, dt: float) -> None:
+        running = len(self.running)
+        self.max_conc = max(self.max_conc, running)
+        reserved = self.mgr.pool.num_used * self.bs
+        live, internal = self.live, self.internal
+        if self.static:
+            stored, internal, over = live, 0, reserved - live
+        else:
+            stored, over = reserved - internal, 0
+        acc = self.acc
+        acc[0] += dt
+        acc[1] += running * dt
+        acc[2] += reserved * dt
+        acc[3] += stored * dt
+        acc[4] += live * dt
+        acc[5] += internal * dt
+        acc[6] += over * dt
+        bpt = self.cfg.kv_bytes_per_token
+        self.peak_saved = max(self.peak_saved, (live - stored) * bpt)
+        self.peak_reserved = max(self.peak_reserved, reserved * bpt)
+        self._sample(reserved)
+
+    def _sample(self, reserved: int) -> None:
+        if self.t < self.next_sample:
+            return
+        bpt = self.cfg.kv_bytes_per_token
+        live = self.live
+        stored = live if self.static else reserved - self.internal
+        s = self.series
+        s.t.append(self.t)
+        s.running.append(len(self.running))
+        s.waiting.append(len(self.waiting))
+        s.reserved_bytes.append(reserved * bpt)
+        s.stored_bytes.append(stored * bpt)
+        s.logical_bytes.append(live * bpt)
+        if len(s.t) >= self.cfg.max_series_points:
+            s.decimate()
+            self.sample_every = max(self.sample_every * 2, self.t / len(s.t))
+        self.next_sample = self.t + self.sample_every
+
+    def _complete(self) -> None:
+        events = self.events
+        while events and events[0][0] == self.step:
+            _, kind, seq = heapq.heappop(events)
+            run = self.running.get(seq)
+            if kind != 1 or run is None:
+                continue  # a stale event of a preempted sequence
+            self._remove(run, run.prompt_len + (self.step - run.admit_step))
+            self.completed += 1
+            self.output_tokens += run.req.output_len
+            if self.progress:
+                self.progress.advance()
+            for follower in self.followers.get(run.req.request_id, ()):
+                arrival = self.t + follower.arrival
+                heapq.heappush(self.arrivals, (arrival, follower.request_id, follower))
+
+    def _quiet_steps(self) -> None:
+        """Run the pure decode steps up to the next event in one tight loop.
+
+        Up to the next event nothing grows, finishes or can be admitted (nothing waits,
+        or what waits is blocked on memory and no block is freed before the next event;
+        when nothing waits the segment also ends at the next arrival). The number of
+        decoding sequences ``n`` and the reserved slots stay fixed, and every token-level
+        figure moves by ``n`` a step, so each time-weighted sum is ``a * S0 + b * S1``
+        with ``S0 = sum(dt_i)`` and ``S1 = sum(dt_i * (i + 1))``.
+        """
+        if not self.running or (self.waiting and not self.admission_blocked):
+            return
+        horizon = self.events[0][0] if self.events else self.step
+        t_limit = self.arrivals[0][0] if (self.arrivals and not self.waiting) else float("inf")
+        n = len(self.running)
+        step_time = self.cost.decode_step_time
+        t, context, i, s0, s1 = self.t, self.live, 0, 0.0, 0.0
+        k_max = horizon - self.step
+        while i < k_max and t < t_limit:
+            dt = step_time(n, context)
+            t += dt
+            i += 1
+            s0 += dt
+            s1 += dt * i
+            context += n
+        if i == 0:
+            return
+        live0, int0 = self.live, self.internal
+        reserved = self.mgr.pool.num_used * self.bs
+        acc = self.acc
+        acc[0] += s0
+        acc[1] += n * s0
+        acc[2] += reserved * s0
+        acc[4] += live0 * s0 + n * s1
+        if self.static:
+            acc[3] += live0 * s0 + n * s1
+            acc[6] += (reserved - live0) * s0 - n * s1
+        else:
+            acc[3] += (reserved - int0) * s0 + n * s1
+            acc[5] += int0 * s0 - n * s1
+            self.internal = int0 - i * n
+        self.t = t
+        self.step += i
+        self.live = live0 + i * n
+        self.max_conc = max(self.max_conc, n)
+        self._sample(reserved)
+
+    # -- results ---------------------------------------------------------------------------
+    def _result(self, wall: float) -> SimResult:
+        stats = self.mgr.stats()
+        dt, conc, reserved, stored, logical, internal, over = self.acc
+        busy = dt or 1.0
+        bpt = self.cfg.kv_bytes_per_token
+        delays = self.queue_delays
         return SimResult(
-            strategy=str(cfg.strategy),
-            block_size=bs,
-            num_blocks=mgr.num_blocks,
-            kv_bytes=cfg.kv_bytes,
-            requests=total,
-            completed=completed,
-            rejected=rejected,
-            preemptions=preemptions,
-            max_concurrent=max_conc,
-            mean_concurrent=acc_conc / busy,
-            kv_utilization=acc_stored / acc_reserved if acc_reserved else 0.0,
-            waste_internal=acc_internal / acc_reserved if acc_reserved else 0.0,
-            waste_over_reservation=acc_over / acc_reserved if acc_reserved else 0.0,
-            sharing_saved_fraction=(acc_logical - acc_stored) / acc_logical if acc_logical else 0.0,
-            sharing_saved_bytes_mean=(acc_logical - acc_stored) * bpt / busy,
-            sharing_saved_bytes_peak=peak_saved,
-            peak_reserved_bytes=peak_reserved,
+            strategy=str(self.cfg.strategy),
+            block_size=self.bs,
+            num_blocks=self.mgr.num_blocks,
+            kv_bytes=self.cfg.kv_bytes,
+            requests=len(self.w.requests),
+            completed=self.completed,
+            rejected=self.rejected,
+            preemptions=self.preemptions,
+            max_concurrent=self.max_conc,
+            mean_concurrent=conc / busy,
+            kv_utilization=stored / reserved if reserved else 0.0,
+            waste_internal=internal / reserved if reserved else 0.0,
+            waste_over_reservation=over / reserved if reserved else 0.0,
+            sharing_saved_fraction=(logical - stored) / logical if logical else 0.0,
+            sharing_saved_bytes_mean=(logical - stored) * bpt / busy,
+            sharing_saved_bytes_peak=self.peak_saved,
+            peak_reserved_bytes=self.peak_reserved,
             prefix_hit_rate=stats.prefix_hit_rate,
-            prompt_tokens_computed=computed_prompt,
-            prompt_tokens_cached=cached_prompt,
+            prompt_tokens_computed=self.computed_prompt,
+            prompt_tokens_cached=self.cached_prompt,
             evictions=stats.evictions,
-            queue_delay_mean=sum(queue_delays) / len(queue_delays) if queue_delays else 0.0,
-            queue_delay_p50=_percentile(queue_delays, 0.5),
-            queue_delay_p99=_percentile(queue_delays, 0.99),
-            ttft_p50=_percentile(ttfts, 0.5),
-            ttft_p99=_percentile(ttfts, 0.99),
-            makespan=t,
-            output_tokens_per_s=output_tokens / t if t else 0.0,
-            steps=step,
-            sim_wall_s=time.perf_counter() - wall0,
-            manager_wall_s=mgr_time,
-            series=series,
+            queue_delay_mean=sum(delays) / len(delays) if delays else 0.0,
+            queue_delay_p50=_percentile(delays, 0.5),
+            queue_delay_p99=_percentile(delays, 0.99),
+            ttft_p50=_percentile(self.ttfts, 0.5),
+            ttft_p99=_percentile(self.ttfts, 0.99),
+            makespan=self.t,
+            output_tokens_per_s=self.output_tokens / self.t if self.t else 0.0,
+            steps=self.step,
+            sim_wall_s=wall,
+            manager_wall_s=self.mgr_time,
+            series=self.series,
         )
