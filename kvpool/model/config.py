@@ -1,0 +1,82 @@
+"""Model configuration read from GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.cache import ModelGeometry
+from kvpool.formats.gguf_header import GGUFHeader
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+class UnsupportedModel(ValueError):
+    """A GGUF file whose architecture or layout this runtime does not run."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    context_length: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v biases (qwen2)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_geometry(self, dtype_bytes: float) -> ModelGeometry:
+        return ModelGeometry(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes)
+
+    @classmethod
+    def from_gguf(cls, header: GGUFHeader) -> ModelConfig:
+        arch = header.architecture
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModel(
+                f"architecture {arch!r} is not supported (supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        if header.arch_value("attention.sliding_window"):
+            raise UnsupportedModel("sliding-window attention is not supported")
+        names = {t.name for t in header.tensors}
+        hidden = int(header.arch_value("embedding_length"))
+        heads = int(header.arch_value("attention.head_count"))
+        kv_heads = header.arch_value("attention.head_count_kv", heads)
+        if isinstance(kv_heads, list):
+            raise UnsupportedModel("per-layer KV head counts are not supported")
+        head_dim = int(header.arch_value("attention.key_length", hidden // heads))
+        tokens = header.metadata.get("tokenizer.ggml.tokens")
+        vocab = int(header.arch_value("vocab_size", len(tokens) if tokens else 0))
+        if not vocab:
+            embd = next(t for t in header.tensors if t.name == "token_embd.weight")
+            vocab = int(embd.shape[1])
+        return cls(
+            architecture=arch,
+            name=str(header.metadata.get("general.name", header.path.stem)),
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=int(header.arch_value("feed_forward_length")),
+            num_layers=int(header.arch_value("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(kv_heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(header.arch_value("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(header.arch_value("rope.freq_base", 10000.0)),
+            context_length=int(header.arch_value("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+        )

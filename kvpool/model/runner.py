@@ -1,0 +1,83 @@
+"""``ModelRunner``: runs the model on sequences whose blocks the block manager holds.
+
+The runner turns block tables into slot indices, builds the ``AttentionBatch`` and calls
+the model. It owns the ``PagedKVStore``, sized from the manager's pool once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.cache import KVCacheManager, SeqId
+from kvpool.model.kv_store import PagedKVStore
+from kvpool.model.llama import AttentionBatch, LlamaModel
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """New tokens of one sequence to compute in a step, from position ``start``."""
+
+    seq_id: SeqId
+    token_ids: list[int]
+    start: int
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, manager: KVCacheManager) -> None:
+        self.model = model
+        self.manager = manager
+        self.kv = PagedKVStore(
+            model.config, manager.num_blocks, manager.block_size, model.dtype, model.device
+        )
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self.kv.copy_blocks(copies)
+
+    def build_batch(self, chunks: list[SeqChunk]) -> AttentionBatch:
+        bs = self.manager.block_size
+        device = self.model.device
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        q_lens = [len(c.token_ids) for c in chunks]
+        ctx_lens = [c.start + len(c.token_ids) for c in chunks]
+        q_max, l_max = max(q_lens), max(ctx_lens)
+        query_index = torch.zeros(len(chunks), q_max, dtype=torch.long)
+        context_slots = torch.zeros(len(chunks), l_max, dtype=torch.long)
+        offset = 0
+        for b, chunk in enumerate(chunks):
+            table = torch.tensor(self.manager.block_table(chunk.seq_id), dtype=torch.long)
+            ctx = ctx_lens[b]
+            pos = torch.arange(ctx)
+            seq_slots = table[pos // bs] * bs + pos % bs
+            context_slots[b, :ctx] = seq_slots
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start, ctx))
+            slots.extend(seq_slots[chunk.start :].tolist())
+            query_index[b, : q_lens[b]] = torch.arange(offset, offset + q_lens[b])
+            offset += q_lens[b]
+        q_len_t = torch.tensor(q_lens)
+        ctx_t = torch.tensor(ctx_lens)
+        i = torch.arange(q_max)
+        j = torch.arange(l_max)
+        query_valid = i[None, :] < q_len_t[:, None]
+        q_pos = (ctx_t - q_len_t)[:, None] + i[None, :]  # absolute position of each query
+        mask = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < ctx_t[:, None, None])
+        mask &= query_valid[:, :, None]
+        mask[:, :, 0] |= ~query_valid  # padded query rows attend to something (no NaN)
+        last_index = torch.cumsum(q_len_t, 0) - 1
+        return AttentionBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            query_index=query_index.to(device),
+            query_valid=query_valid.to(device),
+            context_slots=context_slots.to(device),
+            attn_mask=mask[:, None].to(device),
+            last_index=last_index.to(device),
+        )
+
+    def forward(self, chunks: list[SeqChunk], *, all_logits: bool = False) -> torch.Tensor:
+        return self.model.forward(self.build_batch(chunks), self.kv, all_logits=all_logits)

@@ -1,0 +1,39 @@
+"""Shared fixtures: the default model, loaded once per session, and its reference."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported anywhere
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_model_file():
+    from kvpool.model_store import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def fp32_model(default_model_file):
+    torch = pytest.importorskip("torch")
+    from kvpool.model.gguf_weights import load_gguf_weights
+    from kvpool.model.llama import LlamaModel
+
+    config, weights = load_gguf_weights(default_model_file)
+    return LlamaModel(config, weights, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def reference_model(default_model_file):
+    """transformers loading the same GGUF file, fp32: the reference for exact tests."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        default_model_file.parent, gguf_file=default_model_file.name, dtype=torch.float32
+    )
+    model.eval()
+    return model
