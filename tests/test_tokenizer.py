@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
-from kvpool.formats.gguf_header import read_gguf_header  # noqa: E402
-from kvpool.model.tokenizer import Tokenizer  # noqa: E402
+from kvpool.formats.gguf_header import read_gguf_header
+from kvpool.model.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world, it's a test!",

@@ -138,9 +138,9 @@ class Tokenizer:
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text``; control tokens written in the text are matched whole."""
         ids = self.backend.encode(text, add_special_tokens=False).ids
-        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
-            if not ids or ids[0] != self.bos_id:
-                ids = [self.bos_id, *ids]
+        want_bos = self.add_bos if add_bos is None else add_bos
+        if want_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id, *ids]
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:

@@ -1,0 +1,98 @@
+"""Small GGUF files with random weights, written by the tests (gguf's GGUFWriter).
+
+Both architectures the runtime supports, with chosen ggml types per tensor. K-quant
+types, which the gguf package cannot quantize, are written as random blocks whose fp16
+scale fields are set to small values, so they are valid, finite blocks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 512
+
+# byte offsets of the fp16 scale fields in one block of each K-quant type
+_K_BLOCK = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+
+
+def _k_quant_bytes(rows: int, cols: int, qname: str, rng: np.random.Generator) -> np.ndarray:
+    size, scale_offsets = _K_BLOCK[qname]
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+    for off in scale_offsets:
+        scale = rng.uniform(0.002, 0.01, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, cols // 256 * size)
+
+
+def write_model(path: Path, arch: str, qtypes: dict[str, str], seed: int = 0) -> Path:
+    """Write a tiny model; ``qtypes`` maps a tensor-name suffix (``attn_q.weight``...) to
+    a ggml type name; the rest is F32."""
+    import gguf
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(512)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTER)
+    writer.add_block_count(LAYERS)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(VOCAB)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
+    writer.add_token_types([1] * VOCAB)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+
+    head_dim = HIDDEN // HEADS
+    shapes = {
+        "token_embd.weight": (VOCAB, HIDDEN),
+        "output_norm.weight": (HIDDEN,),
+        "output.weight": (VOCAB, HIDDEN),
+    }
+    for i in range(LAYERS):
+        p = f"blk.{i}."
+        shapes |= {
+            p + "attn_norm.weight": (HIDDEN,),
+            p + "attn_q.weight": (HEADS * head_dim, HIDDEN),
+            p + "attn_k.weight": (KV_HEADS * head_dim, HIDDEN),
+            p + "attn_v.weight": (KV_HEADS * head_dim, HIDDEN),
+            p + "attn_output.weight": (HIDDEN, HIDDEN),
+            p + "ffn_norm.weight": (HIDDEN,),
+            p + "ffn_gate.weight": (INTER, HIDDEN),
+            p + "ffn_up.weight": (INTER, HIDDEN),
+            p + "ffn_down.weight": (HIDDEN, INTER),
+        }
+        if arch == "qwen2":
+            shapes |= {
+                p + "attn_q.bias": (HEADS * head_dim,),
+                p + "attn_k.bias": (KV_HEADS * head_dim,),
+                p + "attn_v.bias": (KV_HEADS * head_dim,),
+            }
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):
+            data = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            data = (rng.standard_normal(shape) * 0.08).astype(np.float32)
+        qname = next((q for suffix, q in qtypes.items() if name.endswith(suffix)), "F32")
+        if qname == "F32" or len(shape) == 1:
+            writer.add_tensor(name, data)
+        elif qname == "F16":
+            writer.add_tensor(name, data.astype(np.float16))
+        elif qname in _K_BLOCK:
+            raw = _k_quant_bytes(shape[0], shape[1], qname, rng)
+            writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qname])
+        else:
+            qtype = gguf.GGMLQuantizationType[qname]
+            writer.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
