@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -15,16 +16,46 @@ def _bench(args: argparse.Namespace) -> int:
     raise AssertionError(args.what)
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from kvpool.model.loader import load_model
+    from kvpool.model.runner import greedy_generate
+    from kvpool.model_store import ModelNotFound
+
+    try:
+        loaded = load_model(args.model, dtype=args.dtype, progress=not args.quiet)
+    except (ModelNotFound, ValueError) as exc:
+        print(f"kvpool: {exc}", file=sys.stderr)
+        return 2
+    runner = loaded.make_runner(args.kv_cache_memory * 2**20, args.block_size)
+    if not args.quiet:
+        print(loaded.describe(runner).splitlines()[-1], file=sys.stderr)
+    tok = loaded.tokenizer
+    if args.raw:
+        ids = tok.encode(args.prompt)
+    else:
+        ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
+    start = time.perf_counter()
+    out = greedy_generate(runner, "cli", ids, args.max_tokens, tok.stop_ids)
+    elapsed = time.perf_counter() - start
+    print(tok.decode(out))
+    if not args.quiet:
+        print(
+            f"{len(ids)} prompt tokens, {len(out)} generated in {elapsed:.2f} s "
+            f"({len(out) / elapsed:.1f} tokens/s, greedy)",
+            file=sys.stderr,
+        )
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     print(
         "kvpool: the HTTP server is not built yet (it lands with the server issue).\n"
-        "What exists today is the KV block manager; here is its benchmark.\n",
+        "What exists today: the KV block manager, the capacity simulator and the model\n"
+        "runtime. Here the runtime loads the default model and answers one question.\n",
         file=sys.stderr,
     )
-    from kvpool.bench import cache
-
-    print(cache.format_table(cache.run()))
-    return 0
+    args.model, args.prompt, args.raw = None, "What is a KV cache, in one sentence?", False
+    return _generate(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,9 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
     sim_cli.add_arguments(simulate)
     simulate.set_defaults(func=sim_cli.run)
 
+    generate = sub.add_parser("generate", help="load a model and answer one prompt (greedy)")
+    generate.add_argument("prompt")
+    generate.add_argument("--model", default=None, help="GGUF path or Ollama name (default model)")
+    generate.add_argument("--raw", action="store_true", help="no chat template")
+    _runtime_options(generate)
+    generate.set_defaults(func=_generate)
+
     serve = sub.add_parser("serve", help="serve a model over HTTP")
+    _runtime_options(serve)
     serve.set_defaults(func=_serve)
     return parser
+
+
+def _runtime_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--kv-cache-memory", type=int, default=256, metavar="MiB")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--quiet", action="store_true")
 
 
 def _version() -> str:

@@ -1,0 +1,114 @@
+"""``load_model``: a model name to a ready runtime, with progress and a report.
+
+The device is CUDA when torch has it, else the CPU. The default dtype is the fastest one
+measured for the device (bfloat16: on this project's CPUs bf16 decodes 1.3x faster at
+batch 1 and 1.3x at batch 32 than fp32, on AMX); ``float32`` gives exact comparisons.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvpool.cache import KVCacheManager
+from kvpool.formats.gguf_header import read_gguf_header
+from kvpool.model.config import ModelConfig
+from kvpool.model.gguf_weights import load_gguf_weights
+from kvpool.model.llama import LlamaModel
+from kvpool.model.runner import ModelRunner
+from kvpool.model.tokenizer import Tokenizer
+from kvpool.model_store import resolve_model_path
+from kvpool.progress import Progress
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def choose_device(name: str | None = None) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def choose_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            return torch.float16
+        return torch.bfloat16
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose from {', '.join(DTYPES)}") from None
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+    load_seconds: float
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.config.kv_geometry(self.model.dtype.itemsize).bytes_per_token
+
+    def make_runner(self, kv_cache_memory: int, block_size: int, **manager_kw) -> ModelRunner:
+        geometry = self.config.kv_geometry(self.model.dtype.itemsize)
+        blocks = geometry.blocks_for_budget(kv_cache_memory, block_size)
+        manager = KVCacheManager(blocks, block_size, geometry=geometry, **manager_kw)
+        return ModelRunner(self.model, manager)
+
+    def describe(self, runner: ModelRunner | None = None) -> str:
+        cfg = self.config
+        lines = [
+            f"loaded {cfg.name} ({cfg.architecture}) from {self.path}",
+            f"  {self.model.num_parameters / 1e6:.1f} M parameters, {cfg.num_layers} layers, "
+            f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads of {cfg.head_dim}, "
+            f"context {cfg.context_length}",
+            f"  {self.model.dtype} on {self.model.device}, KV {self.kv_bytes_per_token:,} "
+            f"bytes per token, loaded in {self.load_seconds:.2f} s",
+        ]
+        if runner is not None:
+            m = runner.manager
+            lines.append(
+                f"  KV pool: {m.num_blocks} blocks of {m.block_size} tokens = "
+                f"{m.num_blocks * m.block_size:,} token slots, {runner.kv.nbytes / 2**20:.0f} MiB"
+            )
+        return "\n".join(lines)
+
+
+def load_model(
+    name: str | None = None,
+    *,
+    dtype: str | None = None,
+    device: str | None = None,
+    progress: bool = True,
+) -> LoadedModel:
+    """Load a model by name (None: the built-in default), path or Ollama store name."""
+    start = time.perf_counter()
+    path = resolve_model_path(name)
+    dev = choose_device(device)
+    torch_dtype = choose_dtype(dtype, dev)
+    header = read_gguf_header(path)
+    tokenizer = Tokenizer.from_gguf(header)
+    bar = Progress(f"loading {path.name}", len(header.tensors)) if progress else None
+    try:
+        config, weights = load_gguf_weights(
+            path,
+            torch_dtype,
+            header=header,
+            on_tensor=(lambda i, n: bar.advance()) if bar else None,
+        )
+    finally:
+        if bar:
+            bar.__exit__()
+    model = LlamaModel(config, weights, dev, torch_dtype)
+    del weights
+    loaded = LoadedModel(path, config, model, tokenizer, time.perf_counter() - start)
+    if progress:
+        print(loaded.describe(), file=sys.stderr)
+    return loaded

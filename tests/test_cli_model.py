@@ -1,0 +1,22 @@
+"""The command line loads the default model and answers through the paged runtime."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from kvpool.cli import main  # noqa: E402
+
+
+def test_generate_answers_with_the_default_model(capsys):
+    assert main(["generate", "What is 2+2?", "--max-tokens", "30", "--dtype", "float32"]) == 0
+    captured = capsys.readouterr()
+    assert "4" in captured.out
+    for fact in ("llama", "134.5 M parameters", "46,080 bytes per token", "blocks of 16"):
+        assert fact in captured.err
+
+
+def test_unknown_model_is_a_clear_error(capsys):
+    assert main(["generate", "hi", "--model", "no-such-model:7b", "--quiet"]) == 2
+    assert "never downloads" in capsys.readouterr().err
