@@ -13,6 +13,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         print(cache.format_table(cache.run(tuple(args.block_sizes))))
         return 0
+    if args.what == "model":
+        from kvpool.bench import model
+
+        print(model.run(args.dtype))
+        return 0
     raise AssertionError(args.what)
 
 
@@ -66,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its table")
-    bench.add_argument("what", choices=["cache"], help="cache: the block manager's own cost")
+    bench.add_argument(
+        "what",
+        choices=["cache", "model"],
+        help="cache: the block manager's own cost; model: the runtime beside transformers",
+    )
+    bench.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     bench.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 256], metavar="N")
     bench.set_defaults(func=_bench)
 

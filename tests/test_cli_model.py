@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvpool.cli import main  # noqa: E402
+from kvpool.cli import main
 
 
 def test_generate_answers_with_the_default_model(capsys):

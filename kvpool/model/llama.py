@@ -31,6 +31,8 @@ class AttentionBatch:
     context_slots: torch.Tensor  # [B, Lmax] KV slot of each context position
     attn_mask: torch.Tensor  # [B, 1, Qmax, Lmax] bool, True = may attend
     last_index: torch.Tensor  # [B] flat index of each sequence's last new token
+    key_valid: torch.Tensor  # [B, Lmax] bool: context position exists
+    decode_only: bool  # every sequence brings exactly one new token
 
 
 @dataclass
@@ -124,6 +126,30 @@ class LlamaModel:
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
+    def _attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """Each sequence's new queries over its own context slots -> ``[T, heads * dim]``."""
+        cfg = self.config
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        b, length = batch.context_slots.shape
+        flat = batch.context_slots.view(-1)
+        keys = k_cache.index_select(0, flat).view(b, length, nkv, d)
+        values = v_cache.index_select(0, flat).view(b, length, nkv, d).transpose(1, 2)
+        if batch.decode_only:
+            # One query per sequence: two small batched matmuls beat the flash kernel,
+            # whose blocking is made for long query runs. Heads of a KV group share keys.
+            queries = q.view(b, nkv, nh // nkv, d)
+            scores = torch.matmul(queries, keys.permute(0, 2, 3, 1)) * (d**-0.5)
+            scores = scores.masked_fill(~batch.key_valid[:, None, None, :], float("-inf"))
+            probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+            return torch.matmul(probs, values).reshape(b, nh * d)
+        queries = q[batch.query_index].transpose(1, 2)  # [B, nh, Q, d]
+        out = F.scaled_dot_product_attention(
+            queries, keys.transpose(1, 2), values, attn_mask=batch.attn_mask, enable_gqa=True
+        )
+        return out.transpose(1, 2)[batch.query_valid].reshape(q.shape[0], nh * d)
+
     @torch.inference_mode()
     def forward(
         self, batch: AttentionBatch, kv: PagedKVStore, *, all_logits: bool = False
@@ -147,13 +173,7 @@ class LlamaModel:
             k_cache, v_cache = kv.k[i], kv.v[i]
             k_cache.index_copy_(0, batch.slot_mapping, k)
             v_cache.index_copy_(0, batch.slot_mapping, v.view(n_tokens, nkv, d))
-            keys = k_cache[batch.context_slots].transpose(1, 2)  # [B, nkv, L, d]
-            values = v_cache[batch.context_slots].transpose(1, 2)
-            queries = q[batch.query_index].transpose(1, 2)  # [B, nh, Q, d]
-            out = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=batch.attn_mask, enable_gqa=True
-            )
-            out = out.transpose(1, 2)[batch.query_valid].reshape(n_tokens, nh * d)
+            out = self._attend(q, k_cache, v_cache, batch)
             x = x + F.linear(out, layer.o)
             h = _rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)

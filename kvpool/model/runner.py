@@ -77,6 +77,8 @@ class ModelRunner:
             context_slots=context_slots.to(device),
             attn_mask=mask[:, None].to(device),
             last_index=last_index.to(device),
+            key_valid=(j[None, :] < ctx_t[:, None]).to(device),
+            decode_only=q_max == 1,
         )
 
     def forward(self, chunks: list[SeqChunk], *, all_logits: bool = False) -> torch.Tensor:

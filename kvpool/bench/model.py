@@ -1,0 +1,135 @@
+"""``kvpool bench model``: the runtime beside transformers' ``generate()``, same model, same
+machine, same dtype, each side in its own process (so peak memory is its own).
+
+Figures: load time; prefill tokens/s for a 512-token prompt; decode tokens/s at batch 1, 8
+and 32 (100-token prompts, time of N+1 generated tokens minus time of 1, so prefill is
+not counted); peak resident memory of the process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+BATCHES = (1, 8, 32)
+PROMPT = 100
+PREFILL = 512
+DECODE_STEPS = 16
+
+
+def _prompts(batch: int, length: int) -> list[list[int]]:
+    return [[(31 * b + 7 * i) % 40000 + 3 for i in range(length)] for b in range(batch)]
+
+
+def _ours(dtype: str) -> dict[str, float]:
+    from kvpool.model.loader import load_model
+    from kvpool.model.runner import SeqChunk
+
+    t0 = time.perf_counter()
+    loaded = load_model(None, dtype=dtype, progress=False)
+    result = {"load_s": time.perf_counter() - t0}
+    runner = loaded.make_runner(128 * 2**20, 16, enable_prefix_caching=False)
+    manager = runner.manager
+
+    def run(batch: int, length: int, new_tokens: int) -> float:
+        prompts = _prompts(batch, length)
+        start = time.perf_counter()
+        for b, p in enumerate(prompts):
+            manager.allocate(b, p)
+        logits = runner.forward([SeqChunk(b, p, 0) for b, p in enumerate(prompts)])
+        for _ in range(new_tokens - 1):
+            chunks = []
+            for b, row in enumerate(logits):
+                token = int(row.argmax())
+                pos = manager.num_tokens(b)
+                manager.append(b, [token])
+                chunks.append(SeqChunk(b, [token], pos))
+            logits = runner.forward(chunks)
+        elapsed = time.perf_counter() - start
+        for b in range(batch):
+            manager.free(b)
+        return elapsed
+
+    run(1, 16, 2)  # warm up
+    result["prefill_tok_s"] = PREFILL / run(1, PREFILL, 1)
+    for batch in BATCHES:
+        full, first = run(batch, PROMPT, DECODE_STEPS + 1), run(batch, PROMPT, 1)
+        result[f"decode_b{batch}_tok_s"] = batch * DECODE_STEPS / (full - first)
+    return result
+
+
+def _transformers(dtype: str) -> dict[str, float]:
+    import torch
+    import transformers
+
+    from kvpool.model_store import default_model_path
+
+    path = default_model_path()
+    t0 = time.perf_counter()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=getattr(torch, dtype)
+    )
+    model.eval()
+    result = {"load_s": time.perf_counter() - t0}
+
+    def run(batch: int, length: int, new_tokens: int) -> float:
+        ids = torch.tensor(_prompts(batch, length))
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        return time.perf_counter() - start
+
+    run(1, 16, 2)
+    result["prefill_tok_s"] = PREFILL / run(1, PREFILL, 1)
+    for batch in BATCHES:
+        full, first = run(batch, PROMPT, DECODE_STEPS + 1), run(batch, PROMPT, 1)
+        result[f"decode_b{batch}_tok_s"] = batch * DECODE_STEPS / (full - first)
+    return result
+
+
+def _measure_side(side: str, dtype: str) -> None:
+    """Child process: measure one side and print its figures as JSON."""
+    figures = _ours(dtype) if side == "kvpool" else _transformers(dtype)
+    figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps(figures))
+
+
+def run(dtype: str = "bfloat16") -> str:
+    rows: dict[str, dict[str, float]] = {}
+    for side in ("kvpool", "transformers"):
+        print(f"bench model: measuring {side} ({dtype})...", file=sys.stderr, flush=True)
+        out = subprocess.run(
+            [sys.executable, "-m", "kvpool.bench.model", side, dtype],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        rows[side] = json.loads(out.stdout.strip().splitlines()[-1])
+    ours, ref = rows["kvpool"], rows["transformers"]
+    lines = [
+        f"default model, {dtype}, {os.cpu_count()} CPUs, torch threads default; "
+        f"decode over {DECODE_STEPS} steps after {PROMPT}-token prompts",
+        f"{'':<24}{'kvpool':>12}{'transformers':>14}{'ratio':>9}",
+    ]
+    labels = [("load_s", "load (s)", False), ("prefill_tok_s", f"prefill {PREFILL} tok/s", True)]
+    labels += [(f"decode_b{b}_tok_s", f"decode batch {b} tok/s", True) for b in BATCHES]
+    labels += [("peak_rss_mib", "peak memory (MiB)", False)]
+    for key, label, higher_better in labels:
+        a, b = ours[key], ref[key]
+        ratio = a / b if higher_better else b / a
+        lines.append(f"{label:<24}{a:>12.1f}{b:>14.1f}{ratio:>8.2f}x")
+    lines.append(
+        "ratio: how many times better kvpool is (speed: ours/theirs; time, memory: theirs/ours)"
+    )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    _measure_side(sys.argv[1], sys.argv[2])
