@@ -35,21 +35,49 @@ class AttentionBatch:
     decode_only: bool  # every sequence brings exactly one new token
 
 
+class Linear:
+    """``y = x W^T (+ b)``. On the CPU in bfloat16 the weight is prepacked once into
+    oneDNN's blocked layout, which runs the small-batch products of decoding 1.3-2x
+    faster than ``F.linear`` on the plain layout; elsewhere it is ``F.linear``."""
+
+    __slots__ = ("bias", "packed", "weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.packed = None
+        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _can_prepack():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def numel(self) -> int:
+        return self.weight.numel() + (self.bias.numel() if self.bias is not None else 0)
+
+
+def _can_prepack() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor
-    qkv: torch.Tensor  # [q + 2 kv, hidden], fused
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: Linear  # [q + 2 kv, hidden], fused
+    o: Linear
     ffn_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 inter, hidden], fused
-    down: torch.Tensor
+    gate_up: Linear  # [2 inter, hidden], fused
+    down: Linear
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    # One fused kernel (it accumulates in fp32 for bf16 input).
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -73,7 +101,7 @@ class LlamaModel:
             return weights[name].to(device=device, dtype=dtype).contiguous()
 
         self.embed = w("token_embd.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings else w("output.weight")
+        self.lm_head = Linear(self.embed if config.tie_word_embeddings else w("output.weight"))
         self.final_norm = w("output_norm.weight")
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
@@ -84,14 +112,16 @@ class LlamaModel:
             self.layers.append(
                 _Layer(
                     attn_norm=w(p + "attn_norm.weight"),
-                    qkv=torch.cat(
-                        [w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]
+                    qkv=Linear(
+                        torch.cat(
+                            [w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]
+                        ),
+                        bias,
                     ),
-                    qkv_bias=bias,
-                    o=w(p + "attn_output.weight"),
+                    o=Linear(w(p + "attn_output.weight")),
                     ffn_norm=w(p + "ffn_norm.weight"),
-                    gate_up=torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]),
-                    down=w(p + "ffn_down.weight"),
+                    gate_up=Linear(torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")])),
+                    down=Linear(w(p + "ffn_down.weight")),
                 )
             )
         d = config.head_dim
@@ -103,22 +133,11 @@ class LlamaModel:
     @property
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.final_norm.numel()
-        if self.lm_head is not self.embed:
+        if self.lm_head.weight is not self.embed:
             n += self.lm_head.numel()
         for layer in self.layers:
-            n += sum(
-                t.numel()
-                for t in (
-                    layer.attn_norm,
-                    layer.qkv,
-                    layer.o,
-                    layer.ffn_norm,
-                    layer.gate_up,
-                    layer.down,
-                )
-            )
-            if layer.qkv_bias is not None:
-                n += layer.qkv_bias.numel()
+            n += layer.attn_norm.numel() + layer.ffn_norm.numel()
+            n += sum(lin.numel() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
         return n
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +183,7 @@ class LlamaModel:
         x = self.embed[batch.input_ids]
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.view(n_tokens, nh, d)
             k = k.view(n_tokens, nkv, d)
@@ -174,11 +193,11 @@ class LlamaModel:
             k_cache.index_copy_(0, batch.slot_mapping, k)
             v_cache.index_copy_(0, batch.slot_mapping, v.view(n_tokens, nkv, d))
             out = self._attend(q, k_cache, v_cache, batch)
-            x = x + F.linear(out, layer.o)
+            x = x + layer.o(out)
             h = _rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         if not all_logits:
             x = x[batch.last_index]
         x = _rms_norm(x, self.final_norm, cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()
