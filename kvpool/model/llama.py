@@ -40,14 +40,16 @@ class Linear:
     oneDNN's blocked layout, which runs the small-batch products of decoding 1.3-2x
     faster than ``F.linear`` on the plain layout; elsewhere it is ``F.linear``."""
 
-    __slots__ = ("bias", "packed", "weight")
+    __slots__ = ("bias", "numel_", "packed", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight = weight
+        self.weight: torch.Tensor | None = weight
         self.bias = bias
+        self.numel_ = weight.numel() + (bias.numel() if bias is not None else 0)
         self.packed = None
         if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _can_prepack():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            self.weight = None  # the packed copy is the only one kept
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -55,7 +57,7 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
     def numel(self) -> int:
-        return self.weight.numel() + (self.bias.numel() if self.bias is not None else 0)
+        return self.numel_
 
 
 def _can_prepack() -> bool:
@@ -93,12 +95,14 @@ class LlamaModel:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
+        """Build from GGUF-named tensors; ``weights`` is consumed (emptied)."""
         self.config = config
         self.device = device
         self.dtype = dtype
 
         def w(name: str) -> torch.Tensor:
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+            # Consumes the dict as it goes, so the plain copies can be freed early.
+            return weights.pop(name).to(device=device, dtype=dtype).contiguous()
 
         self.embed = w("token_embd.weight")
         self.lm_head = Linear(self.embed if config.tie_word_embeddings else w("output.weight"))
@@ -127,13 +131,13 @@ class LlamaModel:
         d = config.head_dim
         inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
         if "rope_freqs.weight" in weights:  # Llama-3 scaling, precomputed by the converter
-            inv_freq = inv_freq / weights["rope_freqs.weight"].float()
+            inv_freq = inv_freq / weights.pop("rope_freqs.weight").float()
         self.inv_freq = inv_freq.to(device)
 
     @property
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.final_norm.numel()
-        if self.lm_head.weight is not self.embed:
+        if not self.config.tie_word_embeddings:
             n += self.lm_head.numel()
         for layer in self.layers:
             n += layer.attn_norm.numel() + layer.ffn_norm.numel()
