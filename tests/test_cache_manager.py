@@ -412,3 +412,27 @@ def test_worked_example_in_the_design_note():
     m.allocate("big", range(100, 128))
     assert m.stats().evictions == 1
     assert m.count_cached_tokens([*system, 3]) == 4
+
+
+def test_each_block_is_hashed_once():
+    calls = []
+
+    def counting_hash(parent, salt, tokens):
+        calls.append(tuple(tokens))
+        return hash_block(parent, salt, tokens)
+
+    m = make(64, hash_fn=counting_hash)
+    m.allocate("warm", range(12))  # caches blocks 0-2
+    m.free("warm")
+    calls.clear()
+    m.allocate("a", [*range(12), *range(100, 128)])  # 10 blocks: 3 hits, 7 new
+    assert len(calls) == 10 and len(set(calls)) == 10
+    calls.clear()
+    for t in range(12):  # one token at a time fills three more blocks
+        m.append("a", [t])
+    assert len(calls) == 3
+    calls.clear()
+    m.allocate("b", [*range(100, 140)], computed=False)
+    m.mark_computed("b", 20)
+    m.mark_computed("b", 40)
+    assert len(calls) == 10  # lookup of block 0 (a miss) reused, then each block once

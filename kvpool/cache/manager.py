@@ -12,6 +12,7 @@ Contract with the runtime:
   prefill) passes ``computed=False`` and calls ``mark_computed`` when the KV is written.
 - Every call either succeeds whole or raises with the manager unchanged (``OutOfBlocks``
   is checked before anything is taken).
+- The manager is not thread-safe: one owner (the engine's scheduler) calls it.
 """
 
 from __future__ import annotations
