@@ -96,3 +96,39 @@ def write_model(path: Path, arch: str, qtypes: dict[str, str], seed: int = 0) ->
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def write_spm_vocab(path: Path) -> Path:
+    """A GGUF file with a small SentencePiece (``llama``) vocabulary: scores, byte tokens
+    for fallback, control tokens, and no merges (they follow from the scores)."""
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256
+    letters = list("abcdefghijklmnopqrstuvwxyz") + ["▁"]
+    pieces = ["▁t", "th", "he", "▁th", "▁the", "▁a", "at", "▁c", "▁cat", "in", "▁in",
+              "er", "re", "on", "▁on", "an", "▁an", "and", "▁and", "ll", "llo", "▁he", "▁hello"]  # fmt: skip
+    for i, piece in enumerate(letters + pieces):
+        tokens.append(piece)
+        types.append(1)
+        scores.append(-float(i) if piece in pieces else -100.0 - i)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(8)
+    writer.add_head_count(1)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_scores(scores)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

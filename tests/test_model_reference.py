@@ -114,3 +114,36 @@ def test_cached_prefix_and_recompute_after_eviction(fp32_model, expected):
     manager.free("x")
     assert manager.stats().evictions > 0
     assert greedy(runner, {"again": long}, NEW_TOKENS)["again"] == expected[-1]
+
+
+def test_forked_sequences_copy_on_write_and_match_separate_runs(fp32_model):
+    """Two continuations of one prompt share its blocks; the first write into the shared
+    partial block copies it, and each continuation equals a run of its own."""
+    prompt = _prompts()[5]  # 130 tokens: 8 full blocks and a partial one
+    runner = make_runner(fp32_model)
+    manager = runner.manager
+    manager.allocate("p", prompt)
+    runner.forward([SeqChunk("p", prompt, 0)])
+    manager.fork("p", "c")
+    assert manager.stats().shared_blocks == 9
+    heads = {"p": 504, "c": 3575}
+    chunks = []
+    for seq, token in heads.items():
+        copies = manager.append(seq, [token])
+        runner.copy_blocks(copies)
+        chunks.append(SeqChunk(seq, [token], len(prompt)))
+    assert manager.stats().cow_copies == 1 and manager.stats().shared_blocks == 8
+    logits = runner.forward(chunks)
+    out = {seq: [int(row.argmax())] for seq, row in zip(heads, logits, strict=True)}
+    for _ in range(5):
+        chunks = []
+        for seq in heads:
+            position = manager.num_tokens(seq)
+            manager.append(seq, [out[seq][-1]])
+            chunks.append(SeqChunk(seq, [out[seq][-1]], position))
+        logits = runner.forward(chunks)
+        for seq, row in zip(heads, logits, strict=True):
+            out[seq].append(int(row.argmax()))
+    for seq, token in heads.items():
+        alone = greedy(make_runner(fp32_model), {"x": [*prompt, token]}, 6)["x"]
+        assert out[seq] == alone, seq

@@ -71,3 +71,22 @@ def test_special_tokens_and_stops(tok):
     assert tok.eos_id == 2 and 2 in tok.stop_ids
     assert tok.add_bos is False
     assert tok.encode("<|im_end|>") == [2]
+
+
+SPM_TEXTS = ["the cat", "hello and the cat in on", "Zebra ü!", "athe", "in  two  spaces"]
+
+
+def test_sentencepiece_vocabulary_matches_reference(tmp_path):
+    """A llama-type vocabulary: merges from scores, byte fallback, BOS added."""
+    transformers = pytest.importorskip("transformers")
+    from tests.synthetic_gguf import write_spm_vocab
+
+    path = write_spm_vocab(tmp_path / "spm.gguf")
+    tok = Tokenizer.from_gguf(read_gguf_header(path))
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in SPM_TEXTS:
+        assert tok.encode(text) == ref.encode(text), text
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("Zebra")[:2] == [1, tok.backend.token_to_id("▁")]  # BOS, dummy prefix
+    # Leading blanks are kept, as llama.cpp and SentencePiece do: every space one "▁".
+    assert tok.decode(tok.encode("  two")) == "  two"
