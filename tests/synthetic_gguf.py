@@ -106,9 +106,9 @@ def write_spm_vocab(path: Path) -> Path:
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [2, 3, 3] + [6] * 256
     scores = [0.0, 0.0, 0.0] + [0.0] * 256
-    letters = list("abcdefghijklmnopqrstuvwxyz") + ["▁"]
-    pieces = ["▁t", "th", "he", "▁th", "▁the", "▁a", "at", "▁c", "▁cat", "in", "▁in",
-              "er", "re", "on", "▁on", "an", "▁an", "and", "▁and", "ll", "llo", "▁he", "▁hello"]  # fmt: skip
+    letters = [*"abcdefghijklmnopqrstuvwxyz", "▁"]
+    pieces = "▁t th he ▁th ▁the ▁a at ▁c ▁cat in ▁in er re on ▁on an ▁an and ▁and ll llo"
+    pieces = [*pieces.split(), "▁he", "▁hello"]
     for i, piece in enumerate(letters + pieces):
         tokens.append(piece)
         types.append(1)

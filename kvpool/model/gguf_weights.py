@@ -10,6 +10,7 @@ usual half-split rotary form.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,48 @@ from kvpool.formats.gguf_header import GGUFHeader, GGUFTensorInfo, read_gguf_hea
 from kvpool.model.config import ModelConfig, UnsupportedModel
 
 # ggml type ids read without the gguf package
-_F32, _F16, _BF16 = 0, 1, 30
+_F32, _F16, _BF16, _Q4_0, _Q4_1 = 0, 1, 30, 2, 3
+_Q4_GROUP = 32
+
+
+@dataclass
+class Int4Weight:
+    """A Q4_0 / Q4_1 matrix ``[N, K]`` in torch's CPU int4 layout, without dequantizing:
+    ``w = (q - 8) * scale + zero`` per group of 32 along K. The mapping is exact:
+    Q4_0 (``d * (q - 8)``) has ``scale = d, zero = 0``; Q4_1 (``d * q + m``) has
+    ``scale = d, zero = m + 8 d``. Rows concatenate (fused QKV, gate/up)."""
+
+    packed: torch.Tensor  # uint8 [N, K / 2], from _convert_weight_to_int4pack_for_cpu
+    scales_zeros: torch.Tensor  # float32 [K / 32, N, 2]
+
+    @staticmethod
+    def cat(parts: list[Int4Weight]) -> Int4Weight:
+        return Int4Weight(
+            torch.cat([p.packed for p in parts]), torch.cat([p.scales_zeros for p in parts], 1)
+        )
+
+
+def _int4_weight(raw: np.ndarray, info: GGUFTensorInfo, row_order: torch.Tensor | None):
+    """``Int4Weight`` of a 2-D Q4_0 / Q4_1 tensor (rows reordered by ``row_order``)."""
+    k, n = info.shape  # ggml order
+    block = 18 if info.ggml_type == _Q4_0 else 20
+    blocks = raw.reshape(n, k // _Q4_GROUP, block)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if info.ggml_type == _Q4_0:
+        zero = np.zeros_like(d)
+        qs = blocks[:, :, 2:18]
+    else:
+        m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8 * d
+        qs = blocks[:, :, 4:20]
+    # element j of a group is the low nibble of byte j, element j + 16 the high nibble
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+    q_t = torch.from_numpy(q.astype(np.int32))
+    sz = torch.from_numpy(np.stack([d, zero], axis=-1))  # [N, groups, 2]
+    if row_order is not None:
+        q_t, sz = q_t[row_order], sz[row_order]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q_t, 1)
+    return Int4Weight(packed, sz.transpose(0, 1).contiguous())
 
 
 def _dequantize(raw: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
@@ -44,10 +86,13 @@ def _dequantize(raw: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
 
 def _unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's per-head row permutation of Q/K (interleaved -> half-split)."""
-    rows = w.shape[0]
-    return (
-        w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-    )
+    return w[_rotary_row_order(w.shape[0], n_heads)]
+
+
+def _rotary_row_order(rows: int, n_heads: int) -> torch.Tensor:
+    """Row ``i`` of the un-permuted matrix is row ``order[i]`` of the GGUF one."""
+    half = rows // n_heads // 2
+    return torch.arange(rows).reshape(n_heads, half, 2).transpose(1, 2).reshape(-1)
 
 
 def load_gguf_weights(
@@ -56,8 +101,10 @@ def load_gguf_weights(
     *,
     header: GGUFHeader | None = None,
     on_tensor: Callable[[int, int], None] | None = None,
+    int4: dict[str, Int4Weight] | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and every tensor of the file, by GGUF name, dequantized to ``dtype``."""
+    """Config and every tensor of the file, by GGUF name, dequantized to ``dtype``. With
+    ``int4`` given, Q4_0 / Q4_1 matrices are also put there in torch's int4 layout."""
     header = header or read_gguf_header(path)
     config = ModelConfig.from_gguf(header)
     data = np.memmap(header.path, dtype=np.uint8, mode="r", offset=header.data_offset)
@@ -68,12 +115,24 @@ def load_gguf_weights(
         if not array.flags.writeable:  # a view of the read-only map
             array = array.copy()
         tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(dtype)
-        if config.architecture == "llama":
-            if info.name.endswith("attn_q.weight") or info.name.endswith("attn_q.bias"):
-                tensor = _unpermute_rotary(tensor, config.num_heads)
-            elif info.name.endswith("attn_k.weight") or info.name.endswith("attn_k.bias"):
-                tensor = _unpermute_rotary(tensor, config.num_kv_heads)
+        heads = _rotary_heads(config, info.name)
+        if heads:
+            tensor = _unpermute_rotary(tensor, heads)
         weights[info.name] = tensor
+        if int4 is not None and info.ggml_type in (_Q4_0, _Q4_1) and len(info.shape) == 2:
+            order = _rotary_row_order(info.shape[1], heads) if heads else None
+            int4[info.name] = _int4_weight(raw, info, order)
         if on_tensor:
             on_tensor(i + 1, len(header.tensors))
     return config, weights
+
+
+def _rotary_heads(config: ModelConfig, name: str) -> int:
+    """Heads of a llama Q/K tensor whose rows llama.cpp permuted (0 for any other)."""
+    if config.architecture != "llama":
+        return 0
+    if name.endswith(("attn_q.weight", "attn_q.bias")):
+        return config.num_heads
+    if name.endswith(("attn_k.weight", "attn_k.bias")):
+        return config.num_kv_heads
+    return 0

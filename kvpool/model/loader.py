@@ -87,8 +87,12 @@ def load_model(
     dtype: str | None = None,
     device: str | None = None,
     progress: bool = True,
+    int4: bool = True,
 ) -> LoadedModel:
-    """Load a model by name (None: the built-in default), path or Ollama store name."""
+    """Load a model by name (None: the built-in default), path or Ollama store name.
+
+    ``int4``: on the CPU in bfloat16, also keep Q4_0 / Q4_1 weights in torch's int4
+    layout for small steps (see ``llama.Linear``)."""
     start = time.perf_counter()
     path = resolve_model_path(name)
     dev = choose_device(device)
@@ -96,17 +100,19 @@ def load_model(
     header = read_gguf_header(path)
     tokenizer = Tokenizer.from_gguf(header)
     bar = Progress(f"loading {path.name}", len(header.tensors)) if progress else None
+    int4_weights = {} if int4 and dev.type == "cpu" and torch_dtype == torch.bfloat16 else None
     try:
         config, weights = load_gguf_weights(
             path,
             torch_dtype,
             header=header,
             on_tensor=(lambda i, n: bar.advance()) if bar else None,
+            int4=int4_weights,
         )
     finally:
         if bar:
             bar.__exit__()
-    model = LlamaModel(config, weights, dev, torch_dtype)
+    model = LlamaModel(config, weights, dev, torch_dtype, int4_weights)
     del weights
     loaded = LoadedModel(path, config, model, tokenizer, time.perf_counter() - start)
     if progress:

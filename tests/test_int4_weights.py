@@ -1,0 +1,47 @@
+"""Q4_0 / Q4_1 weights kept in torch's int4 layout for small steps (CPU, bfloat16)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvpool.model.gguf_weights import load_gguf_weights  # noqa: E402
+from tests.synthetic_gguf import write_model  # noqa: E402
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int4_layout_reproduces_the_file_weights(tmp_path: Path, arch: str):
+    qtypes = {"attn_q.weight": "Q4_0", "attn_k.weight": "Q4_1", "ffn_down.weight": "Q4_1"}
+    path = write_model(tmp_path / "m.gguf", arch, qtypes)
+    int4: dict = {}
+    _, dense = load_gguf_weights(path, torch.float32, int4=int4)
+    assert sorted(int4) == sorted(n for n in dense if n.endswith(tuple(qtypes)))
+    for name, weight in int4.items():
+        x = torch.randn(3, dense[name].shape[1])
+        got = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.bfloat16(), weight.packed, 32, weight.scales_zeros.bfloat16()
+        ).float()
+        want = x.bfloat16().float() @ dense[name].T
+        assert (got - want).abs().max() <= 0.02 * want.abs().max(), name
+
+
+def test_bf16_with_int4_agrees_with_fp32_on_the_default_model(fp32_model):
+    from kvpool.cache import KVCacheManager
+    from kvpool.model.loader import load_model
+    from kvpool.model.runner import ModelRunner, SeqChunk
+
+    fast = load_model(None, dtype="bfloat16", progress=False, int4=True)
+    assert any(layer.down.int4 is not None for layer in fast.model.layers)
+    prompt = fast.tokenizer.encode_chat([{"role": "user", "content": "What is 2+2?"}])
+    tops = []
+    for model in (fast.model, fp32_model):
+        runner = ModelRunner(model, KVCacheManager(64, 16))
+        runner.manager.allocate("s", prompt[:-1])
+        runner.forward([SeqChunk("s", prompt[:-1], 0)])  # prefill: the bf16 weights
+        runner.manager.append("s", prompt[-1:])
+        logits = runner.forward([SeqChunk("s", prompt[-1:], len(prompt) - 1)])  # int4
+        tops.append(logits[0].topk(3).indices.tolist())
+    assert tops[0][0] == tops[1][0]
