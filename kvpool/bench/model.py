@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -21,10 +22,24 @@ BATCHES = (1, 8, 32)
 PROMPT = 100
 PREFILL = 512
 DECODE_STEPS = 16
+REPEATS = 3
 
 
 def _prompts(batch: int, length: int) -> list[list[int]]:
     return [[(31 * b + 7 * i) % 40000 + 3 for i in range(length)] for b in range(batch)]
+
+
+def _rates(run) -> dict[str, float]:
+    """Prefill and decode rates, each the median of ``REPEATS`` measurements.
+    ``run(batch, prompt_len, new_tokens)`` returns seconds."""
+    out = {"prefill_tok_s": statistics.median(PREFILL / run(1, PREFILL, 1) for _ in range(REPEATS))}
+    for batch in BATCHES:
+        rates = []
+        for _ in range(REPEATS):
+            full, first = run(batch, PROMPT, DECODE_STEPS + 1), run(batch, PROMPT, 1)
+            rates.append(batch * DECODE_STEPS / (full - first))
+        out[f"decode_b{batch}_tok_s"] = statistics.median(rates)
+    return out
 
 
 def _ours(dtype: str) -> dict[str, float]:
@@ -57,10 +72,7 @@ def _ours(dtype: str) -> dict[str, float]:
         return elapsed
 
     run(1, 16, 2)  # warm up
-    result["prefill_tok_s"] = PREFILL / run(1, PREFILL, 1)
-    for batch in BATCHES:
-        full, first = run(batch, PROMPT, DECODE_STEPS + 1), run(batch, PROMPT, 1)
-        result[f"decode_b{batch}_tok_s"] = batch * DECODE_STEPS / (full - first)
+    result.update(_rates(run))
     return result
 
 
@@ -88,11 +100,8 @@ def _transformers(dtype: str) -> dict[str, float]:
             )  # fmt: skip
         return time.perf_counter() - start
 
-    run(1, 16, 2)
-    result["prefill_tok_s"] = PREFILL / run(1, PREFILL, 1)
-    for batch in BATCHES:
-        full, first = run(batch, PROMPT, DECODE_STEPS + 1), run(batch, PROMPT, 1)
-        result[f"decode_b{batch}_tok_s"] = batch * DECODE_STEPS / (full - first)
+    run(1, 16, 2)  # warm up
+    result.update(_rates(run))
     return result
 
 
@@ -115,7 +124,7 @@ def run(dtype: str = "bfloat16") -> str:
     ours, ref = rows["kvpool"], rows["transformers"]
     lines = [
         f"default model, {dtype}, {os.cpu_count()} CPUs, torch threads default; "
-        f"decode over {DECODE_STEPS} steps after {PROMPT}-token prompts",
+        f"decode over {DECODE_STEPS} steps after {PROMPT}-token prompts; medians of {REPEATS}",
         f"{'':<24}{'kvpool':>12}{'transformers':>14}{'ratio':>9}",
     ]
     labels = [("load_s", "load (s)", False), ("prefill_tok_s", f"prefill {PREFILL} tok/s", True)]
