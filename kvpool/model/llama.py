@@ -121,18 +121,17 @@ class LlamaModel:
         """Build from GGUF-named tensors; ``weights`` is consumed (emptied). ``int4``
         (Q4 matrices in torch's int4 layout) is used on the CPU in bfloat16 only."""
         self.config = config
-        int4 = int4 or {}
-
-        def q4(*names: str) -> Int4Weight | None:
-            parts = [int4.get(name) for name in names]
-            return Int4Weight.cat(parts) if all(p is not None for p in parts) else None
-
         self.device = device
         self.dtype = dtype
+        int4 = int4 or {}
 
         def w(name: str) -> torch.Tensor:
             # Consumes the dict as it goes, so the plain copies can be freed early.
             return weights.pop(name).to(device=device, dtype=dtype).contiguous()
+
+        def q4(*names: str) -> Int4Weight | None:
+            parts = [int4.get(name) for name in names]
+            return Int4Weight.cat(parts) if all(p is not None for p in parts) else None
 
         self.embed = w("token_embd.weight")
         if config.tie_word_embeddings:
