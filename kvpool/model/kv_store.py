@@ -1,9 +1,9 @@
 """The physical KV cache: one K and one V tensor per layer, allocated once.
 
-Each tensor has ``num_blocks * block_size`` token slots of ``[num_kv_heads, head_dim]``;
-token slot ``block_id * block_size + offset`` holds the token at ``offset`` of block
-``block_id``. Nothing here knows about sequences: the block manager decides which slots a
-sequence owns, and the runner turns its block table into slot indices.
+Each tensor is ``[num_kv_heads, num_blocks * block_size, head_dim]``: token slot
+``block_id * block_size + offset`` holds the token at ``offset`` of block ``block_id``.
+Nothing here knows about sequences: the block manager decides which slots a sequence
+owns, and the runner turns its block table into slot indices.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ class PagedKVStore:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        # Head-major: gathering a batch's context gives one contiguous [tokens, dim] run
+        # per (head, sequence), the operand layout of the decode attention's matmuls.
+        shape = (config.num_kv_heads, num_blocks * block_size, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
 
@@ -44,4 +46,4 @@ class PagedKVStore:
         src_slots = (src[:, None] * bs + offsets).reshape(-1)
         dst_slots = (dst[:, None] * bs + offsets).reshape(-1)
         for tensor in self.k + self.v:
-            tensor.index_copy_(0, dst_slots, tensor.index_select(0, src_slots))
+            tensor.index_copy_(1, dst_slots, tensor.index_select(1, src_slots))

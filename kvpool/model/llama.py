@@ -181,26 +181,36 @@ class LlamaModel:
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     def _attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: AttentionBatch,
+        decode_bias: torch.Tensor | None,
     ) -> torch.Tensor:
         """Each sequence's new queries over its own context slots -> ``[T, heads * dim]``."""
         cfg = self.config
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         b, length = batch.context_slots.shape
         flat = batch.context_slots.view(-1)
-        keys = k_cache.index_select(0, flat).view(b, length, nkv, d)
-        values = v_cache.index_select(0, flat).view(b, length, nkv, d).transpose(1, 2)
-        if batch.decode_only:
-            # One query per sequence: two small batched matmuls beat the flash kernel,
-            # whose blocking is made for long query runs. Heads of a KV group share keys.
-            queries = q.view(b, nkv, nh // nkv, d)
-            scores = torch.matmul(queries, keys.permute(0, 2, 3, 1)) * (d**-0.5)
-            scores = scores.masked_fill(~batch.key_valid[:, None, None, :], float("-inf"))
-            probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-            return torch.matmul(probs, values).reshape(b, nh * d)
+        keys = k_cache.index_select(1, flat).view(nkv * b, length, d)  # (head, seq) major
+        values = v_cache.index_select(1, flat).view(nkv * b, length, d)
+        if decode_bias is not None:
+            # One query per sequence: two small batched matmuls per (KV head, sequence)
+            # beat the flash kernel, whose blocking is made for long query runs; the
+            # heads of a KV group share its keys. The scale and the mask of missing
+            # context positions ride along in baddbmm.
+            g = nh // nkv
+            queries = q.view(b, nkv, g, d).transpose(0, 1).reshape(nkv * b, g, d)
+            scores = torch.baddbmm(decode_bias, queries, keys.transpose(1, 2), alpha=d**-0.5)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+            out = torch.bmm(probs, values)  # [nkv * b, g, d]
+            return out.view(nkv, b, g, d).transpose(0, 1).reshape(b, nh * d)
         queries = q[batch.query_index].transpose(1, 2)  # [B, nh, Q, d]
+        keys = keys.view(nkv, b, length, d).transpose(0, 1)
+        values = values.view(nkv, b, length, d).transpose(0, 1)
         out = F.scaled_dot_product_attention(
-            queries, keys.transpose(1, 2), values, attn_mask=batch.attn_mask, enable_gqa=True
+            queries, keys, values, attn_mask=batch.attn_mask, enable_gqa=True
         )
         return out.transpose(1, 2)[batch.query_valid].reshape(q.shape[0], nh * d)
 
@@ -216,6 +226,11 @@ class LlamaModel:
         cos, sin = self._rope(batch.positions)
         cos, sin = cos[:, None, :], sin[:, None, :]
         x = self.embed[batch.input_ids]
+        decode_bias = None
+        if batch.decode_only:  # additive mask of missing context, shared by all layers
+            valid = batch.key_valid.repeat(nkv, 1)[:, None, :]  # (head, seq) major
+            decode_bias = torch.zeros(valid.shape, dtype=self.dtype, device=x.device)
+            decode_bias.masked_fill_(~valid, float("-inf"))
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h)
@@ -225,9 +240,9 @@ class LlamaModel:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             k_cache, v_cache = kv.k[i], kv.v[i]
-            k_cache.index_copy_(0, batch.slot_mapping, k)
-            v_cache.index_copy_(0, batch.slot_mapping, v.view(n_tokens, nkv, d))
-            out = self._attend(q, k_cache, v_cache, batch)
+            k_cache.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
+            v_cache.index_copy_(1, batch.slot_mapping, v.view(n_tokens, nkv, d).transpose(0, 1))
+            out = self._attend(q, k_cache, v_cache, batch, decode_bias)
             x = x + layer.o(out)
             h = _rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
