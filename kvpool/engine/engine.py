@@ -1,0 +1,144 @@
+"""``Engine``: the step loop joining the scheduler, the model runner and the sampler."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Sequence
+
+from kvpool.cache import KVCacheManager
+from kvpool.engine.request import Request, Status
+from kvpool.engine.sampling import Sampler, SamplingParams
+from kvpool.engine.scheduler import Scheduler
+from kvpool.model.llama import LlamaModel
+from kvpool.model.runner import ModelRunner, SeqChunk
+
+
+class Engine:
+    """Continuous batching of requests on one model and one block pool.
+
+    ``policy="static"`` is the llama.cpp/Ollama baseline: every request reserves its
+    whole context (prompt + max tokens) up front and nothing is shared.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        max_batch_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        policy: str = "paged",
+        stop_ids: Iterable[int] = (),
+        seed: int | None = None,
+    ) -> None:
+        if policy not in ("paged", "static"):
+            raise ValueError(f"unknown policy {policy!r} (paged, static)")
+        self.policy = policy
+        manager = KVCacheManager(
+            num_blocks,
+            block_size,
+            enable_prefix_caching=enable_prefix_caching and policy == "paged",
+            geometry=model.config.kv_geometry(model.dtype.itemsize),
+        )
+        self.runner = ModelRunner(model, manager)
+        self.scheduler = Scheduler(manager, max_batch_tokens=max_batch_tokens)
+        self.sampler = Sampler(seed)
+        self.stop_ids = frozenset(stop_ids)
+        self.context_length = model.config.context_length
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    @property
+    def manager(self) -> KVCacheManager:
+        return self.runner.manager
+
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        salt: str | None = None,
+    ) -> Request:
+        prompt = list(prompt_ids)
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) >= self.context_length:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens; the context holds {self.context_length}"
+            )
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is in use")
+        request = Request(request_id, prompt, params, salt, arrival=time.monotonic())
+        self.requests[request_id] = request
+        if self.policy == "static":
+            self.scheduler.static_reserve = self.context_length
+        self.scheduler.add(request)
+        return request
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request now; its blocks go back to the pool at once."""
+        request = self.requests.pop(request_id, None)
+        if request is not None and request.status is not Status.FINISHED:
+            self.scheduler.finish(request, "cancelled")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Request]:
+        """Run one step; returns the requests that got a token or finished."""
+        work, rejected = self.scheduler.schedule()
+        for request in rejected:
+            self.requests.pop(request.request_id, None)
+        if self.scheduler.pending_copies:
+            self.runner.copy_blocks(self.scheduler.pending_copies)
+            self.scheduler.pending_copies = []
+        if not work:
+            return rejected
+        logits = self.runner.forward(
+            [SeqChunk(w.request.seq_id, w.token_ids, w.start) for w in work]
+        )
+        self.scheduler.after_forward(work)
+        rows = [i for i, w in enumerate(work) if w.sample]
+        progressed = list(rejected)
+        if rows:
+            requests = [work[i].request for i in rows]
+            tokens = self.sampler.sample(
+                logits[rows],
+                [r.params for r in requests],
+                [r.prompt_ids for r in requests],
+                [r.output_ids for r in requests],
+                [r.generator for r in requests],
+            )
+            for request, token in zip(requests, tokens, strict=True):
+                request.tokens.append(token)
+                reason = self._finish_reason(request, token)
+                if reason:
+                    self.scheduler.finish(request, reason)
+                    self.requests.pop(request.request_id, None)
+                progressed.append(request)
+        return progressed
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[Request]:
+        """Run the prompts to completion, batched together; results in prompt order."""
+        many = params if isinstance(params, Sequence) else [params] * len(prompts)
+        requests = [self.add_request(p, sp) for p, sp in zip(prompts, many, strict=True)]
+        while any(r.status is not Status.FINISHED for r in requests):
+            self.step()
+        return requests
+
+    def _finish_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if (token in self.stop_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if (
+            len(request.output_ids) >= params.max_tokens
+            or len(request.tokens) >= self.context_length
+        ):
+            return "length"
+        return None

@@ -1,0 +1,56 @@
+"""A request's state as the engine moves it through the queue, the batch and the pool."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpool.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. While running it holds blocks under ``seq_id`` in the block manager.
+
+    ``tokens`` is the prompt followed by the output so far; ``num_computed`` counts the
+    leading tokens whose KV is in the pool. A preempted request keeps ``tokens`` and
+    restarts with ``num_computed = 0``: it is prefilled again (mostly from the cache).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    salt: str | None = None
+    arrival: float = 0.0
+    status: Status = Status.WAITING
+    tokens: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    seq_id: int = -1  # the block manager's id for the current admission
+    admitted: int = -1  # admission order, for choosing preemption victims
+    cached_prompt_tokens: int = 0  # prompt tokens served from the cache (first admission)
+    preemptions: int = 0
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+        if self.generator is None:
+            self.generator = self.params.make_generator()
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids) :]
+
+    @property
+    def in_prefill(self) -> bool:
+        """KV is still missing for some tokens before the last one."""
+        return self.num_computed < len(self.tokens) - 1

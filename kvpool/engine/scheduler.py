@@ -1,0 +1,162 @@
+"""Continuous batching over the block pool: what runs in each step.
+
+Every step takes, in admission order, one token from each decoding request and a chunk
+of prompt from each prefilling one, then admits waiting requests, first come first
+served, under a per-step token budget. Blocks are taken by real need: a request is
+admitted when the pool holds its uncached prompt (with a small watermark kept free for
+growth), never its maximum output. When a running request needs a block and none is
+free, the most recently admitted request is preempted: its computed blocks go to the
+cache, and it waits at the head of the queue to be prefilled again (mostly cache hits).
+
+Invariant: a running request's block table holds ``len(request.tokens)`` tokens after
+``schedule`` (its pending last token included); the scheduler is the block manager's
+only caller besides ``Engine`` freeing finished requests.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvpool.cache import KVCacheManager, OutOfBlocks
+from kvpool.engine.request import Request, Status
+
+
+@dataclass
+class Work:
+    """Tokens of one request computed in a step; ``sample`` when the chunk ends at the
+    request's last token (its logits give the next token)."""
+
+    request: Request
+    start: int
+    token_ids: list[int]
+
+    @property
+    def sample(self) -> bool:
+        return self.start + len(self.token_ids) == len(self.request.tokens)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        *,
+        max_batch_tokens: int = 2048,
+        max_running: int = 256,
+        watermark: float = 0.01,
+        static_reserve: int | None = None,
+    ) -> None:
+        """``static_reserve``: the ``static`` baseline policy (llama.cpp/Ollama slots):
+        each admitted request reserves this many token slots up front."""
+        self.manager = manager
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.watermark_blocks = int(watermark * manager.num_blocks)
+        self.static_reserve = static_reserve
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write, for the runner
+        self._next_seq = 0
+        self._admissions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ----------------------------------------------------------------------
+    def schedule(self) -> tuple[list[Work], list[Request]]:
+        """The step's work, and requests rejected because they cannot fit even alone."""
+        budget = self.max_batch_tokens
+        work: list[Work] = []
+        for request in sorted(self.running, key=lambda r: r.admitted):
+            if request.status is not Status.RUNNING or budget <= 0:
+                continue
+            if not self._hold_all_tokens(request):
+                continue  # preempted to make room (itself being the latest)
+            end = min(len(request.tokens), request.num_computed + budget)
+            chunk = request.tokens[request.num_computed : end]
+            work.append(Work(request, request.num_computed, chunk))
+            budget -= len(chunk)
+        rejected: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            request = self.waiting[0]
+            keep_free = self.watermark_blocks if self.running else 0
+            try:
+                alloc = self.manager.allocate(
+                    self._next_seq,
+                    request.tokens,
+                    request.salt,
+                    computed=False,
+                    reserve_tokens=self.static_reserve or 0,
+                    keep_free=keep_free,
+                )
+            except OutOfBlocks:
+                if self.running:
+                    break  # first come first served: the head waits for blocks
+                self.waiting.popleft()
+                request.status = Status.FINISHED
+                request.finish_reason = "too_long_for_pool"
+                rejected.append(request)
+                continue
+            self.waiting.popleft()
+            request.seq_id = self._next_seq
+            self._next_seq += 1
+            request.admitted = self._admissions
+            self._admissions += 1
+            request.status = Status.RUNNING
+            request.num_computed = alloc.num_cached_tokens
+            if request.preemptions == 0:
+                request.cached_prompt_tokens = alloc.num_cached_tokens
+            self.running.append(request)
+            end = min(len(request.tokens), request.num_computed + budget)
+            chunk = request.tokens[request.num_computed : end]
+            work.append(Work(request, request.num_computed, chunk))
+            budget -= len(chunk)
+        return work, rejected
+
+    def after_forward(self, work: list[Work]) -> None:
+        """The step's KV is written: full blocks become findable by other requests."""
+        for w in work:
+            w.request.num_computed = w.start + len(w.token_ids)
+            self.manager.mark_computed(w.request.seq_id, w.request.num_computed)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Free a running or waiting request's blocks and take it out of the queues."""
+        if request.status is Status.RUNNING:
+            self.manager.free(request.seq_id)
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+
+    # -- internals ---------------------------------------------------------------------
+    def _hold_all_tokens(self, request: Request) -> bool:
+        """Give the request's block table room for all its tokens, preempting the most
+        recently admitted requests if the pool is short. False if it was preempted."""
+        missing = request.tokens[self.manager.num_tokens(request.seq_id) :]
+        if not missing:
+            return True
+        while True:
+            try:
+                copies = self.manager.append(request.seq_id, missing, computed=False)
+                self.pending_copies.extend(copies)
+                return True
+            except OutOfBlocks:
+                victim = max(self.running, key=lambda r: r.admitted)
+                self._preempt(victim)
+                if victim is request:
+                    return False
+
+    def _preempt(self, request: Request) -> None:
+        self.manager.free(request.seq_id)
+        self.running.remove(request)
+        request.status = Status.WAITING
+        request.num_computed = 0
+        request.seq_id = -1
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(request)

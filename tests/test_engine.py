@@ -1,0 +1,110 @@
+"""The engine on the default model (fp32): batching, preemption and cancellation change
+nothing in what a request generates, and no block stays in use."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvpool.engine.engine import Engine  # noqa: E402
+from kvpool.engine.request import Status  # noqa: E402
+from kvpool.engine.sampling import SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(3)
+    system = [rng.randrange(3, 49152) for _ in range(40)]
+    out = [system + [rng.randrange(3, 49152) for _ in range(n)] for n in (3, 17, 30)]
+    out += [[rng.randrange(3, 49152) for _ in range(n)] for n in (5, 70, 120)]
+    return out
+
+
+def alone(model, prompt: list[int]) -> list[int]:
+    engine = Engine(model, num_blocks=64)
+    return engine.generate([prompt], GREEDY)[0].output_ids
+
+
+@pytest.fixture(scope="module")
+def expected(fp32_model) -> list[list[int]]:
+    return [alone(fp32_model, p) for p in prompts()]
+
+
+def assert_pool_empty(engine: Engine) -> None:
+    stats = engine.manager.stats()
+    assert stats.used_blocks == 0 and stats.num_sequences == 0
+
+
+def test_mixed_batch_equals_each_alone(fp32_model, expected):
+    engine = Engine(fp32_model, num_blocks=256)
+    results = engine.generate(prompts(), GREEDY)
+    assert [r.output_ids for r in results] == expected
+    assert all(r.finish_reason == "length" for r in results)
+    assert_pool_empty(engine)
+    # The shared system prompt's blocks stay cached: a later request computes less.
+    later = engine.generate([prompts()[0]], GREEDY)[0]
+    assert later.cached_prompt_tokens == 32 and later.output_ids == expected[0]
+
+
+def test_chunked_prefill_equals_whole(fp32_model, expected):
+    engine = Engine(fp32_model, num_blocks=256, max_batch_tokens=24)
+    assert [r.output_ids for r in engine.generate(prompts(), GREEDY)] == expected
+    assert_pool_empty(engine)
+
+
+def test_small_pool_preempts_and_still_matches(fp32_model, expected):
+    # 400 slots of 4 tokens for 365 prompt tokens and 48 outputs: admitted requests grow
+    # into a full pool and the latest ones are preempted and resumed.
+    engine = Engine(fp32_model, num_blocks=100, block_size=4)
+    results = engine.generate(prompts(), GREEDY)
+    assert [r.output_ids for r in results] == expected
+    assert engine.scheduler.preemptions > 0
+    assert sum(r.preemptions for r in results) == engine.scheduler.preemptions
+    assert_pool_empty(engine)
+
+
+def test_cancel_frees_blocks_at_once(fp32_model):
+    engine = Engine(fp32_model, num_blocks=64)
+    a = engine.add_request(prompts()[4], SamplingParams(temperature=0, max_tokens=50))
+    b = engine.add_request(prompts()[0], SamplingParams(temperature=0, max_tokens=50))
+    for _ in range(3):
+        engine.step()
+    assert a.status is Status.RUNNING and engine.manager.stats().used_blocks > 0
+    engine.cancel(a.request_id)
+    engine.cancel(b.request_id)
+    assert a.finish_reason == "cancelled" and not engine.has_work()
+    assert_pool_empty(engine)
+
+
+def test_request_too_long_for_the_pool_is_rejected_alone(fp32_model):
+    engine = Engine(fp32_model, num_blocks=2, block_size=16)
+    big = engine.add_request(prompts()[5], GREEDY)  # 120 tokens > 32 slots
+    small = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=2))
+    while engine.has_work():
+        engine.step()
+    assert big.finish_reason == "too_long_for_pool"
+    assert small.finish_reason == "length" and len(small.output_ids) == 2
+    assert_pool_empty(engine)
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(fp32_model):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=42, max_tokens=6, ignore_eos=True)
+    solo = Engine(fp32_model, num_blocks=64).generate([prompts()[1]], params)[0].output_ids
+    engine = Engine(fp32_model, num_blocks=256, seed=5)
+    mixed = engine.generate(prompts(), [GREEDY, params, GREEDY, GREEDY, GREEDY, GREEDY])
+    assert mixed[1].output_ids == solo
+
+
+def test_static_policy_reserves_the_context(fp32_model, expected):
+    engine = Engine(fp32_model, num_blocks=1024, policy="static")
+    request = engine.add_request(prompts()[0], GREEDY)
+    engine.step()
+    slots = engine.manager.stats().used_blocks * engine.manager.block_size
+    assert slots >= fp32_model.config.context_length
+    while engine.has_work():
+        engine.step()
+    assert request.output_ids == expected[0]
