@@ -50,6 +50,15 @@ def test_mixed_batch_equals_each_alone(fp32_model, expected):
     assert later.cached_prompt_tokens == 32 and later.output_ids == expected[0]
 
 
+def test_a_prompt_shared_by_requests_sent_together_is_computed_once(fp32_model, expected):
+    engine = Engine(fp32_model, num_blocks=256)
+    results = engine.generate(prompts()[:3], GREEDY)  # one 40-token system prompt
+    assert [r.output_ids for r in results] == expected[:3]
+    # the first computes the system prompt's two full blocks; the others hit them
+    assert [r.cached_prompt_tokens for r in results] == [0, 32, 32]
+    assert_pool_empty(engine)
+
+
 def test_chunked_prefill_equals_whole(fp32_model, expected):
     engine = Engine(fp32_model, num_blocks=256, max_batch_tokens=24)
     assert [r.output_ids for r in engine.generate(prompts(), GREEDY)] == expected
@@ -57,11 +66,11 @@ def test_chunked_prefill_equals_whole(fp32_model, expected):
 
 
 def test_small_pool_preempts_and_still_matches(fp32_model, expected):
-    # 400 slots of 4 tokens for 365 prompt tokens and 48 outputs: admitted requests grow
-    # into a full pool and the latest ones are preempted and resumed.
-    engine = Engine(fp32_model, num_blocks=100, block_size=4)
-    results = engine.generate(prompts(), GREEDY)
-    assert [r.output_ids for r in results] == expected
+    # 52 blocks of 4 tokens hold the three distinct prompts (195 tokens) but not their
+    # growth: the latest admitted are preempted and resumed.
+    engine = Engine(fp32_model, num_blocks=52, block_size=4)
+    results = engine.generate(prompts()[3:], GREEDY)
+    assert [r.output_ids for r in results] == expected[3:]
     assert engine.scheduler.preemptions > 0
     assert sum(r.preemptions for r in results) == engine.scheduler.preemptions
     assert_pool_empty(engine)

@@ -81,8 +81,12 @@ class Scheduler:
             work.append(Work(request, request.num_computed, chunk))
             budget -= len(chunk)
         rejected: list[Request] = []
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
+            if self._prefix_in_flight(request):
+                deferred.append(self.waiting.popleft())
+                continue
             keep_free = self.watermark_blocks if self.running else 0
             try:
                 alloc = self.manager.allocate(
@@ -115,6 +119,7 @@ class Scheduler:
             chunk = request.tokens[request.num_computed : end]
             work.append(Work(request, request.num_computed, chunk))
             budget -= len(chunk)
+        self.waiting.extendleft(reversed(deferred))
         return work, rejected
 
     def after_forward(self, work: list[Work]) -> None:
@@ -134,6 +139,24 @@ class Scheduler:
         request.finish_reason = reason
 
     # -- internals ---------------------------------------------------------------------
+    def _prefix_in_flight(self, request: Request) -> bool:
+        """A running request is still computing full blocks this one would share: wait
+        (others go ahead) and hit them once written, instead of computing them twice.
+        This is what makes a system prompt sent by many clients at once cost one
+        prefill. Only the first block is compared before the common prefix is measured."""
+        bs = self.manager.block_size
+        head = request.tokens[:bs]
+        if len(request.tokens) <= bs:
+            return False
+        for other in self.running:
+            if other.salt != request.salt or other.tokens[:bs] != head:
+                continue
+            shared = min(_common_prefix(other.tokens, request.tokens), len(request.tokens) - 1)
+            shared = shared // bs * bs
+            if other.num_computed < shared:
+                return True
+        return False
+
     def _hold_all_tokens(self, request: Request) -> bool:
         """Give the request's block table room for all its tokens, preempting the most
         recently admitted requests if the pool is short. False if it was preempted."""
@@ -160,3 +183,11 @@ class Scheduler:
         request.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(request)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
