@@ -1,0 +1,136 @@
+"""``LLM``: the offline API. Text or token prompts in, completions out, on one engine.
+
+from kvpool import LLM, SamplingParams
+llm = LLM()                                   # the built-in default model
+out = llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=32))
+print(out[0].text, out[0].cached_prompt_tokens)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.cache import CacheStats
+from kvpool.engine.engine import Engine
+from kvpool.engine.request import Request, Status
+from kvpool.engine.sampling import SamplingParams
+from kvpool.model.loader import load_model
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    cached_prompt_tokens: int  # prompt tokens served from the prefix cache
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str | None = None,
+        kv_cache_memory: int = 256 * 2**20,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        max_batch_tokens: int = 2048,
+        policy: str = "paged",
+        seed: int | None = None,
+        progress: bool = True,
+    ) -> None:
+        self.loaded = load_model(model, dtype=dtype, progress=progress)
+        self.tokenizer = self.loaded.tokenizer
+        geometry = self.loaded.config.kv_geometry(self.loaded.model.dtype.itemsize)
+        self.engine = Engine(
+            self.loaded.model,
+            num_blocks=geometry.blocks_for_budget(kv_cache_memory, block_size),
+            block_size=block_size,
+            max_batch_tokens=max_batch_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            policy=policy,
+            stop_ids=self.tokenizer.stop_ids,
+            seed=seed,
+        )
+
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
+    ) -> list[CompletionOutput]:
+        """Complete each prompt (text is encoded as is, without the chat template)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self._run(ids, params or SamplingParams())
+
+    def chat(
+        self,
+        conversations: Sequence[Sequence[dict[str, Any]]],
+        params: SamplingParams | None = None,
+    ) -> list[CompletionOutput]:
+        """Answer each conversation, rendered with the model's chat template."""
+        ids = [self.tokenizer.encode_chat(list(c)) for c in conversations]
+        return self._run(ids, params or SamplingParams())
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """The completion of one prompt, piece by piece as tokens are generated. Stopping
+        the iteration early cancels the request and frees its blocks."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        request = self.engine.add_request(ids, params or SamplingParams())
+        sent = ""
+        try:
+            while request.status is not Status.FINISHED:
+                self.engine.step()
+                self._check_stop_strings(request)
+                text = self._text(request)
+                if len(text) > len(sent) and not text.endswith("\ufffd"):
+                    yield text[len(sent) :]
+                    sent = text
+        finally:
+            self.engine.cancel(request.request_id)
+
+    def cache_stats(self) -> CacheStats:
+        return self.engine.manager.stats()
+
+    # -- internals ---------------------------------------------------------------------
+    def _run(self, ids: list[list[int]], params: SamplingParams) -> list[CompletionOutput]:
+        requests = [self.engine.add_request(p, params) for p in ids]
+        while any(r.status is not Status.FINISHED for r in requests):
+            for request in self.engine.step():
+                self._check_stop_strings(request)
+        return [self._output(r) for r in requests]
+
+    def _check_stop_strings(self, request: Request) -> None:
+        if request.params.stop and request.status is not Status.FINISHED:
+            text = self.tokenizer.decode(request.output_ids)
+            if any(s in text for s in request.params.stop):
+                self.engine.cancel(request.request_id)
+                request.finish_reason = "stop"
+
+    def _text(self, request: Request) -> str:
+        text = self.tokenizer.decode(request.output_ids)
+        cut = [text.find(s) for s in request.params.stop if s in text]
+        return text[: min(cut)] if cut else text
+
+    def _output(self, request: Request) -> CompletionOutput:
+        return CompletionOutput(
+            request_id=request.request_id,
+            prompt_token_ids=list(request.prompt_ids),
+            token_ids=request.output_ids,
+            text=self._text(request),
+            finish_reason=request.finish_reason,
+            cached_prompt_tokens=request.cached_prompt_tokens,
+        )

@@ -1,0 +1,53 @@
+"""The offline API: text and chat in, completions with usage out; stop strings; streaming."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from kvpool import LLM, SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=30)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", progress=False)
+
+
+def test_chat_answers_with_usage_and_shares_the_system_prompt(llm):
+    conversations = [
+        [{"role": "user", "content": "What is 2+2?"}],
+        [{"role": "user", "content": "Name a primary color."}],
+    ]
+    first, second = llm.chat(conversations, GREEDY)
+    assert "4" in first.text and first.finish_reason == "stop"  # ended by <|im_end|>
+    assert first.completion_tokens == len(first.token_ids) <= 30
+    assert first.prompt_tokens == len(llm.tokenizer.encode_chat(conversations[0]))
+    # both carry SmolLM2's default system prompt: the second hits its full block
+    assert second.cached_prompt_tokens == 16
+    assert llm.cache_stats().used_blocks == 0
+
+
+def test_stop_strings_end_the_text_and_are_not_returned(llm):
+    (out,) = llm.generate("The capital of France is", SamplingParams(temperature=0, stop=(".",)))
+    assert out.finish_reason == "stop" and "." not in out.text and "Paris" in out.text
+
+
+def test_stream_pieces_make_the_whole_and_stopping_early_frees_blocks(llm):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (whole,) = llm.generate("Once upon a time", params)
+    assert "".join(llm.stream("Once upon a time", params)) == whole.text
+    stream = llm.stream("Once upon a time", params)
+    next(stream)
+    assert llm.cache_stats().used_blocks > 0
+    stream.close()  # the client went away
+    assert llm.cache_stats().used_blocks == 0
+
+
+def test_bad_parameters_and_prompts_are_clear_errors(llm):
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], GREEDY)
