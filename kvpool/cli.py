@@ -22,31 +22,40 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from kvpool.model.loader import load_model
-    from kvpool.model.runner import greedy_generate
+    from kvpool.engine.llm import LLM
+    from kvpool.engine.sampling import SamplingParams
     from kvpool.model_store import ModelNotFound
 
     try:
-        loaded = load_model(args.model, dtype=args.dtype, progress=not args.quiet)
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            kv_cache_memory=args.kv_cache_memory * 2**20,
+            block_size=args.block_size,
+            progress=not args.quiet,
+        )
     except (ModelNotFound, ValueError) as exc:
         print(f"kvpool: {exc}", file=sys.stderr)
         return 2
-    runner = loaded.make_runner(args.kv_cache_memory * 2**20, args.block_size)
-    if not args.quiet:
-        print(loaded.describe(runner).splitlines()[-1], file=sys.stderr)
-    tok = loaded.tokenizer
-    if args.raw:
-        ids = tok.encode(args.prompt)
-    else:
-        ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
-    start = time.perf_counter()
-    out = greedy_generate(runner, "cli", ids, args.max_tokens, tok.stop_ids)
-    elapsed = time.perf_counter() - start
-    print(tok.decode(out))
+    pool = llm.engine.manager
     if not args.quiet:
         print(
-            f"{len(ids)} prompt tokens, {len(out)} generated in {elapsed:.2f} s "
-            f"({len(out) / elapsed:.1f} tokens/s, greedy)",
+            f"  KV pool: {pool.num_blocks} blocks of {pool.block_size} tokens = "
+            f"{pool.num_blocks * pool.block_size:,} token slots",
+            file=sys.stderr,
+        )
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    start = time.perf_counter()
+    if args.raw:
+        (out,) = llm.generate(args.prompt, params)
+    else:
+        (out,) = llm.chat([[{"role": "user", "content": args.prompt}]], params)
+    elapsed = time.perf_counter() - start
+    print(out.text)
+    if not args.quiet:
+        print(
+            f"{out.prompt_tokens} prompt tokens, {out.completion_tokens} generated in "
+            f"{elapsed:.2f} s ({out.completion_tokens / elapsed:.1f} tokens/s, greedy)",
             file=sys.stderr,
         )
     return 0

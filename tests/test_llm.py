@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvpool import LLM, SamplingParams  # noqa: E402
+from kvpool import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=30)
 

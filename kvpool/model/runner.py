@@ -99,32 +99,3 @@ class ModelRunner:
             small = batch.input_ids.shape[0] <= self.single_thread_tokens
             torch.set_num_threads(1 if small else self.max_threads)
         return self.model.forward(batch, self.kv, all_logits=all_logits)
-
-
-def greedy_generate(
-    runner: ModelRunner,
-    seq_id: SeqId,
-    prompt: list[int],
-    max_new_tokens: int,
-    stop_ids: frozenset[int] = frozenset(),
-) -> list[int]:
-    """Greedy decoding of one sequence, prefix cache honoured; frees it at the end.
-
-    A plain loop for demos and checks: the engine does the real scheduling."""
-    manager = runner.manager
-    alloc = manager.allocate(seq_id, prompt)
-    out: list[int] = []
-    try:
-        start = alloc.num_cached_tokens
-        logits = runner.forward([SeqChunk(seq_id, prompt[start:], start)])
-        for _ in range(max_new_tokens):
-            token = int(logits[0].argmax())
-            out.append(token)
-            if token in stop_ids or len(out) == max_new_tokens:
-                break
-            position = manager.num_tokens(seq_id)
-            runner.copy_blocks(manager.append(seq_id, [token]))
-            logits = runner.forward([SeqChunk(seq_id, [token], position)])
-    finally:
-        manager.free(seq_id)
-    return out
