@@ -117,3 +117,28 @@ def test_static_policy_reserves_the_context(fp32_model, expected):
     while engine.has_work():
         engine.step()
     assert request.output_ids == expected[0]
+
+
+def test_n_samples_share_the_prompt_blocks_and_equal_seeded_runs_alone(fp32_model):
+    from dataclasses import replace
+
+    prompt = prompts()[5]  # 120 tokens: 7 full blocks and a partial one
+    params = SamplingParams(temperature=0.9, seed=42, max_tokens=6, ignore_eos=True, n=4)
+    engine = Engine(fp32_model, num_blocks=64)
+    request = engine.add_request(prompt, params)
+    engine.step()  # prefill and the four first tokens
+    engine.step()  # each sample writes its first token: the partial block is copied
+    stats = engine.manager.stats()
+    assert len(request.siblings) == 4
+    assert stats.shared_blocks == 7 and stats.cow_copies == 3
+    assert stats.used_blocks == 7 + 4  # one prompt's KV plus one block per sample
+    while engine.has_work():
+        engine.step()
+    for j, sample in enumerate(request.siblings):
+        solo = replace(params, n=1, seed=42 + j)
+        assert sample.output_ids == alone_with(fp32_model, prompt, solo), j
+    assert_pool_empty(engine)
+
+
+def alone_with(model, prompt: list[int], params: SamplingParams) -> list[int]:
+    return Engine(model, num_blocks=64).generate([prompt], params)[0].output_ids

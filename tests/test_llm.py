@@ -51,3 +51,18 @@ def test_bad_parameters_and_prompts_are_clear_errors(llm):
         SamplingParams(temperature=-0.5)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], GREEDY)
+
+
+def test_pinned_system_prompt_survives_pressure_and_is_hit():
+    llm = LLM(dtype="float32", kv_cache_memory=120 * 16 * 46_080, progress=False)  # 120 blocks
+    system = "You are a careful assistant. " * 12
+    pinned = llm.pin_prefix(system)
+    assert pinned >= 64 and llm.cache_stats().pinned_blocks == pinned // 16
+    # push many distinct prompts through the pool to evict everything evictable
+    flood = [f"Story number {i}: " + "once upon a time " * 40 for i in range(24)]
+    llm.generate(flood, SamplingParams(temperature=0, max_tokens=2))  # ~250 blocks' worth
+    assert llm.cache_stats().evictions > 100  # everything unpinned went round
+    (out,) = llm.generate(system + "Hello!", SamplingParams(temperature=0, max_tokens=2))
+    assert out.cached_prompt_tokens >= pinned
+    llm.unpin_prefix(system)
+    assert llm.cache_stats().pinned_blocks == 0

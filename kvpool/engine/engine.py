@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from kvpool.cache import KVCacheManager
 from kvpool.engine.request import Request, Status
@@ -73,6 +74,8 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is in use")
         request = Request(request_id, prompt, params, salt, arrival=time.monotonic())
+        request.forks_pending = params.n - 1
+        request.siblings = [request]
         self.requests[request_id] = request
         if self.policy == "static":
             self.scheduler.static_reserve = self.context_length
@@ -102,10 +105,17 @@ class Engine:
             [SeqChunk(w.request.seq_id, w.token_ids, w.start) for w in work]
         )
         self.scheduler.after_forward(work)
-        rows = [i for i, w in enumerate(work) if w.sample]
+        rows: list[int] = []
+        requests: list[Request] = []
+        for i, w in enumerate(work):
+            if w.sample:
+                rows.append(i)
+                requests.append(w.request)
+                for child in self._fork_samples(w.request):
+                    rows.append(i)  # the n samples draw from the same first logits
+                    requests.append(child)
         progressed = list(rejected)
         if rows:
-            requests = [work[i].request for i in rows]
             tokens = self.sampler.sample(
                 logits[rows],
                 [r.params for r in requests],
@@ -125,12 +135,34 @@ class Engine:
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
     ) -> list[Request]:
-        """Run the prompts to completion, batched together; results in prompt order."""
+        """Run the prompts to completion, batched together; results in prompt order
+        (with ``n > 1`` each result's ``siblings`` holds its n samples)."""
         many = params if isinstance(params, Sequence) else [params] * len(prompts)
         requests = [self.add_request(p, sp) for p, sp in zip(prompts, many, strict=True)]
-        while any(r.status is not Status.FINISHED for r in requests):
+        while any(s.status is not Status.FINISHED for r in requests for s in r.siblings):
             self.step()
         return requests
+
+    def _fork_samples(self, request: Request) -> list[Request]:
+        """At a request's first token, its other ``n - 1`` samples start as forks of it:
+        they share every block of the prompt (n samples cost one prompt's KV)."""
+        children = []
+        for j in range(1, request.forks_pending + 1):
+            seed = None if request.params.seed is None else request.params.seed + j
+            child = Request(
+                f"{request.request_id}#{j}",
+                request.prompt_ids,
+                replace(request.params, seed=seed),
+                request.salt,
+                arrival=request.arrival,
+                tokens=list(request.tokens),
+            )
+            self.scheduler.fork(request, child)
+            self.requests[child.request_id] = child
+            request.siblings.append(child)
+            children.append(child)
+        request.forks_pending = 0
+        return children
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         params = request.params

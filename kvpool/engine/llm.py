@@ -105,13 +105,27 @@ class LLM:
     def cache_stats(self) -> CacheStats:
         return self.engine.manager.stats()
 
+    def pin_prefix(self, prefix: Prompt, *, salt: str | None = None) -> int:
+        """Compute a prefix (a system prompt) once and pin its full blocks, so eviction
+        never takes them. Returns the number of tokens pinned (whole blocks only)."""
+        ids = self._encode_prefix(prefix)
+        self._run([ids], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        return self.engine.manager.pin(ids, salt)
+
+    def unpin_prefix(self, prefix: Prompt, *, salt: str | None = None) -> None:
+        self.engine.manager.unpin(self._encode_prefix(prefix), salt)
+
+    def _encode_prefix(self, prefix: Prompt) -> list[int]:
+        return self.tokenizer.encode(prefix) if isinstance(prefix, str) else list(prefix)
+
     # -- internals ---------------------------------------------------------------------
     def _run(self, ids: list[list[int]], params: SamplingParams) -> list[CompletionOutput]:
+        """Outputs in prompt order; with ``n > 1``, the n samples of each prompt in turn."""
         requests = [self.engine.add_request(p, params) for p in ids]
-        while any(r.status is not Status.FINISHED for r in requests):
+        while any(s.status is not Status.FINISHED for r in requests for s in r.siblings):
             for request in self.engine.step():
                 self._check_stop_strings(request)
-        return [self._output(r) for r in requests]
+        return [self._output(s) for r in requests for s in r.siblings]
 
     def _check_stop_strings(self, request: Request) -> None:
         if request.params.stop and request.status is not Status.FINISHED:

@@ -39,6 +39,8 @@ class Request:
     preemptions: int = 0
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    forks_pending: int = 0  # n > 1: samples to fork from this one at its first token
+    siblings: list[Request] = field(default_factory=list)  # all n samples, this one first
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -122,6 +122,19 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return work, rejected
 
+    def fork(self, parent: Request, child: Request) -> None:
+        """Start ``child`` as a copy of running ``parent``, sharing all its blocks (the
+        first write into the shared partial block copies it)."""
+        child.seq_id = self._next_seq
+        self._next_seq += 1
+        self.manager.fork(parent.seq_id, child.seq_id)
+        child.admitted = self._admissions
+        self._admissions += 1
+        child.status = Status.RUNNING
+        child.num_computed = parent.num_computed
+        child.cached_prompt_tokens = parent.cached_prompt_tokens
+        self.running.append(child)
+
     def after_forward(self, work: list[Work]) -> None:
         """The step's KV is written: full blocks become findable by other requests."""
         for w in work:
