@@ -13,6 +13,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         print(cache.format_table(cache.run(tuple(args.block_sizes))))
         return 0
+    if args.what == "engine":
+        from kvpool.bench import engine
+
+        print(engine.run(requests=args.requests))
+        return 0
     if args.what == "model":
         from kvpool.bench import model
 
@@ -82,9 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark and print its table")
     bench.add_argument(
         "what",
-        choices=["cache", "model"],
-        help="cache: the block manager's own cost; model: the runtime beside transformers",
+        choices=["cache", "model", "engine"],
+        help="cache: the block manager's own cost; model: the runtime beside transformers; "
+        "engine: workloads with prefix caching on/off and the static policy",
     )
+    bench.add_argument("--requests", type=int, default=64, help="engine: requests per workload")
     bench.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     bench.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 256], metavar="N")
     bench.set_defaults(func=_bench)

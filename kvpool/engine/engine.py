@@ -19,7 +19,8 @@ class Engine:
     """Continuous batching of requests on one model and one block pool.
 
     ``policy="static"`` is the llama.cpp/Ollama baseline: every request reserves its
-    whole context (prompt + max tokens) up front and nothing is shared.
+    whole context (prompt + max tokens, at most the context length) up front and nothing
+    is shared.
     """
 
     def __init__(
@@ -77,8 +78,8 @@ class Engine:
         request.forks_pending = params.n - 1
         request.siblings = [request]
         self.requests[request_id] = request
-        if self.policy == "static":
-            self.scheduler.static_reserve = self.context_length
+        if self.policy == "static":  # a slot for the whole request, as llama.cpp's
+            request.reserve_tokens = min(self.context_length, len(prompt) + params.max_tokens)
         self.scheduler.add(request)
         return request
 

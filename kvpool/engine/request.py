@@ -39,6 +39,7 @@ class Request:
     preemptions: int = 0
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    reserve_tokens: int = 0  # the static policy: token slots taken up front at admission
     forks_pending: int = 0  # n > 1: samples to fork from this one at its first token
     siblings: list[Request] = field(default_factory=list)  # all n samples, this one first
 

@@ -44,15 +44,11 @@ class Scheduler:
         max_batch_tokens: int = 2048,
         max_running: int = 256,
         watermark: float = 0.01,
-        static_reserve: int | None = None,
     ) -> None:
-        """``static_reserve``: the ``static`` baseline policy (llama.cpp/Ollama slots):
-        each admitted request reserves this many token slots up front."""
         self.manager = manager
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.watermark_blocks = int(watermark * manager.num_blocks)
-        self.static_reserve = static_reserve
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
@@ -94,7 +90,7 @@ class Scheduler:
                     request.tokens,
                     request.salt,
                     computed=False,
-                    reserve_tokens=self.static_reserve or 0,
+                    reserve_tokens=request.reserve_tokens,
                     keep_free=keep_free,
                 )
             except OutOfBlocks:
