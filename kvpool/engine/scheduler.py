@@ -3,8 +3,11 @@
 Every step takes, in admission order, one token from each decoding request and a chunk
 of prompt from each prefilling one, then admits waiting requests, first come first
 served, under a per-step token budget. Blocks are taken by real need: a request is
-admitted when the pool holds its uncached prompt (with a small watermark kept free for
-growth), never its maximum output. When a running request needs a block and none is
+admitted when the pool holds its uncached prompt plus headroom for growth (one block per
+running request, which is what each can take in the next ``block_size`` steps; at least
+1% of the pool), never its maximum output. Without the headroom, admission fills the
+pool and the next steps' growth preempts what was just admitted (measured on the
+``distinct`` workload: 25 preemptions and 90 s, against 14 and 66 s with it). When a running request needs a block and none is
 free, the most recently admitted request is preempted: its computed blocks go to the
 cache, and it waits at the head of the queue to be prefilled again (mostly cache hits).
 
@@ -83,7 +86,9 @@ class Scheduler:
             if self._prefix_in_flight(request):
                 deferred.append(self.waiting.popleft())
                 continue
-            keep_free = self.watermark_blocks if self.running else 0
+            # Headroom: every running request takes at most one block in the next
+            # block_size steps; admitting into that space only buys preemptions.
+            keep_free = max(self.watermark_blocks, len(self.running)) if self.running else 0
             try:
                 alloc = self.manager.allocate(
                     self._next_seq,
