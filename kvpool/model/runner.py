@@ -15,6 +15,9 @@ from kvpool.model.kv_store import PagedKVStore
 from kvpool.model.llama import AttentionBatch, LlamaModel
 
 
+_THREADS_AT_IMPORT = torch.get_num_threads()
+
+
 @dataclass(frozen=True)
 class SeqChunk:
     """New tokens of one sequence to compute in a step, from position ``start``."""
@@ -42,7 +45,8 @@ class ModelRunner:
             model.config, manager.num_blocks, manager.block_size, model.dtype, model.device
         )
         self.single_thread_tokens = single_thread_tokens if model.device.type == "cpu" else 0
-        self.max_threads = torch.get_num_threads()
+        self.max_threads = _THREADS_AT_IMPORT  # not the current count: a runner may have
+        # left it at one
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.kv.copy_blocks(copies)
