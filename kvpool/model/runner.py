@@ -14,7 +14,6 @@ from kvpool.cache import KVCacheManager, SeqId
 from kvpool.model.kv_store import PagedKVStore
 from kvpool.model.llama import AttentionBatch, LlamaModel
 
-
 _THREADS_AT_IMPORT = torch.get_num_threads()
 
 
