@@ -7,7 +7,7 @@ admitted when the pool holds its uncached prompt plus headroom for growth (one b
 running request, which is what each can take in the next ``block_size`` steps; at least
 1% of the pool), never its maximum output. Without the headroom, admission fills the
 pool and the next steps' growth preempts what was just admitted (measured on the
-``distinct`` workload: 25 preemptions and 90 s, against 14 and 66 s with it). When a
+``distinct`` workload: 25 preemptions and 74 s, against 14 and 62-66 s with it). When a
 running request needs a block and none is free, the most recently admitted request is
 preempted: its computed blocks go to the cache, and it waits at the head of the queue to
 be prefilled again (mostly cache hits).
