@@ -52,8 +52,3 @@ class Request:
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[len(self.prompt_ids) :]
-
-    @property
-    def in_prefill(self) -> bool:
-        """KV is still missing for some tokens before the last one."""
-        return self.num_computed < len(self.tokens) - 1
