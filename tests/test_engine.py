@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvpool.engine.engine import Engine  # noqa: E402
+from kvpool.engine.errors import PromptExceedsPool, PromptTooLong  # noqa: E402
 from kvpool.engine.request import Status  # noqa: E402
 from kvpool.engine.sampling import SamplingParams  # noqa: E402
 
@@ -89,14 +90,23 @@ def test_cancel_frees_blocks_at_once(fp32_model):
     assert_pool_empty(engine)
 
 
-def test_request_too_long_for_the_pool_is_rejected_alone(fp32_model):
+def test_request_too_long_for_the_pool_is_refused_and_output_stops_at_the_pool(fp32_model):
     engine = Engine(fp32_model, num_blocks=2, block_size=16)
-    big = engine.add_request(prompts()[5], GREEDY)  # 120 tokens > 32 slots
+    with pytest.raises(PromptExceedsPool, match="2 blocks"):
+        engine.add_request(prompts()[5], GREEDY)  # 120 tokens > 32 slots
+    with pytest.raises(PromptTooLong, match="context"):
+        engine.add_request([1] * engine.context_length, GREEDY)
+    assert not engine.has_work()
     small = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=2))
+    grows = engine.add_request(
+        [1, 2, 3], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    )
     while engine.has_work():
         engine.step()
-    assert big.finish_reason == "too_long_for_pool"
     assert small.finish_reason == "length" and len(small.output_ids) == 2
+    # Alone in the pool, its output ends where the pool does: 32 slots computed, plus
+    # the token sampled from the last of them.
+    assert grows.finish_reason == "length" and len(grows.tokens) == 33
     assert_pool_empty(engine)
 
 

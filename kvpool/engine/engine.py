@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from kvpool.cache import KVCacheManager
+from kvpool.engine.errors import PromptExceedsPool, PromptTooLong, RequestError
 from kvpool.engine.request import Request, Status
 from kvpool.engine.sampling import Sampler, SamplingParams
 from kvpool.engine.scheduler import Scheduler
@@ -64,22 +65,36 @@ class Engine:
         request_id: str | None = None,
         salt: str | None = None,
     ) -> Request:
+        """Queue a request. Raises a ``RequestError`` (nothing allocated) for an empty
+        prompt, one that leaves no room in the context (``PromptTooLong``), or one whose
+        KV could not fit even in the empty pool (``PromptExceedsPool``)."""
         prompt = list(prompt_ids)
         if not prompt:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty")
         if len(prompt) >= self.context_length:
-            raise ValueError(
-                f"the prompt has {len(prompt)} tokens; the context holds {self.context_length}"
+            raise PromptTooLong(
+                f"the prompt has {len(prompt)} tokens; the model's context holds "
+                f"{self.context_length} (prompt + output)"
             )
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is in use")
+            raise RequestError(f"request id {request_id!r} is in use")
+        reserve = 0
+        if self.policy == "static":  # a slot for the whole request, as llama.cpp's
+            reserve = min(self.context_length, len(prompt) + params.max_tokens)
+        manager = self.manager
+        need = manager.blocks_needed(max(len(prompt) + 1, reserve))
+        if need > manager.num_blocks:
+            raise PromptExceedsPool(
+                f"the request needs {need} KV blocks ({max(len(prompt) + 1, reserve)} tokens "
+                f"of {manager.block_size}); the whole pool holds {manager.num_blocks} blocks "
+                f"({manager.num_blocks * manager.block_size} tokens)"
+            )
         request = Request(request_id, prompt, params, salt, arrival=time.monotonic())
         request.forks_pending = params.n - 1
         request.siblings = [request]
+        request.reserve_tokens = reserve
         self.requests[request_id] = request
-        if self.policy == "static":  # a slot for the whole request, as llama.cpp's
-            request.reserve_tokens = min(self.context_length, len(prompt) + params.max_tokens)
         self.scheduler.add(request)
         return request
 

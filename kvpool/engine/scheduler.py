@@ -102,9 +102,12 @@ class Scheduler:
             except OutOfBlocks:
                 if self.running:
                     break  # first come first served: the head waits for blocks
+                # Alone and still too big: it grew past the whole pool (a prompt that
+                # cannot fit is refused by the engine before it is queued). Its output
+                # ends here, as at a length limit.
                 self.waiting.popleft()
                 request.status = Status.FINISHED
-                request.finish_reason = "too_long_for_pool"
+                request.finish_reason = "length" if request.output_ids else "too_long_for_pool"
                 rejected.append(request)
                 continue
             self.waiting.popleft()

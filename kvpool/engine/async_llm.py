@@ -1,0 +1,308 @@
+"""``AsyncLLM``: the engine on its own thread, driven from an asyncio event loop.
+
+The server's bridge. One thread owns the ``Engine`` (and so the block manager, which is
+not thread-safe): it runs steps while there is work and otherwise sleeps on its command
+queue. Everything else reaches it through that queue (submit, cancel, pin, stats), and
+results come back to the event loop with ``call_soon_threadsafe``, so the loop never
+waits on a model step. Torch releases the GIL in its kernels, so HTTP keeps flowing
+while a step computes.
+
+    engine = AsyncLLM(LLM())
+    engine.start()
+    async for delta in engine.generate(ids, SamplingParams(max_tokens=32)):
+        print(delta.text, end="")
+
+A consumer that stops iterating (a client that went away) cancels its request: the
+generator's ``finally`` sends the cancel and the request's blocks are freed before the
+next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvpool.cache import CacheStats
+from kvpool.engine.errors import EngineStopped
+from kvpool.engine.llm import LLM
+from kvpool.engine.request import Request, Status
+from kvpool.engine.sampling import SamplingParams
+from kvpool.engine.text_stream import TextStream
+
+log = logging.getLogger("kvpool.engine")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one sample of a request produced since its last delta."""
+
+    index: int  # which of the n samples
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # set on the sample's last delta
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int  # this sample's output so far
+    time: float  # time.monotonic() when the step that produced it ended
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's counters after its latest step (read from any thread)."""
+
+    cache: CacheStats
+    running: int
+    waiting: int
+    preemptions: int
+    steps: int
+
+
+@dataclass
+class _Stream:
+    """Engine-thread state of one submitted request (all its samples)."""
+
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Any]  # Deltas, then None; or an exception; a pin's token count
+    texts: dict[int, TextStream] = field(default_factory=dict)
+    sent_tokens: dict[int, int] = field(default_factory=dict)
+    open_samples: int = 1
+    pin: bool = False  # a pin_prefix request: pin the prompt when it ends
+
+    def put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+_STOP = object()
+
+
+class AsyncLLM:
+    def __init__(self, llm: LLM) -> None:
+        self.llm = llm
+        self.engine = llm.engine
+        self.tokenizer = llm.tokenizer
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._steps = 0
+        self._thread = threading.Thread(target=self._loop, name="kvpool-engine", daemon=True)
+        self._stopped = threading.Event()
+        self.snapshot = self._snapshot()
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float | None = 30) -> None:
+        """Cancel every request (their blocks are freed) and stop the engine thread."""
+        if self._thread.is_alive():
+            self._commands.put(_STOP)
+            self._thread.join(timeout)
+        self._stopped.set()
+        self._drain_stopped()
+
+    # -- requests ------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        salt: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[Delta]:
+        """Deltas of the request's samples until each has finished. Raises the engine's
+        ``RequestError`` (nothing allocated) before the first delta if it is refused."""
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[Any] = asyncio.Queue()
+        request_id = request_id or f"r{next(self._ids)}"
+        ids = list(prompt_ids)
+
+        def submit() -> None:
+            request = self.engine.add_request(ids, params, request_id=request_id, salt=salt)
+            self._streams[request_id] = _Stream(request, loop, deltas, open_samples=params.n)
+
+        await self._call(submit)
+        try:
+            while True:
+                item = await deltas.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self._commands.put(lambda: self._cancel(request_id))
+
+    async def pin_prefix(self, prompt_ids: Sequence[int], *, salt: str | None = None) -> int:
+        """Compute a prefix once (if it is not cached) and pin its full blocks; returns
+        the number of tokens pinned."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Queue[Any] = asyncio.Queue()
+        request_id = f"pin{next(self._ids)}"
+        ids = list(prompt_ids)
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+        def submit() -> None:
+            request = self.engine.add_request(ids, params, request_id=request_id, salt=salt)
+            self._streams[request_id] = _Stream(request, loop, done, pin=True)
+
+        await self._call(submit)
+        while True:
+            item = await done.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, int):
+                return item
+
+    async def unpin_prefix(self, prompt_ids: Sequence[int], *, salt: str | None = None) -> None:
+        ids = list(prompt_ids)
+        await self._call(lambda: self.engine.manager.unpin(ids, salt))
+
+    async def reset_prefix_cache(self) -> int:
+        """Drop every cached block that no request holds and no pin keeps; returns how
+        many were dropped."""
+        return await self._call(self.engine.manager.reset_prefix_cache)
+
+    async def stats(self) -> EngineSnapshot:
+        """A fresh snapshot, taken on the engine thread between steps."""
+        return await self._call(self._snapshot)
+
+    # -- the engine thread -----------------------------------------------------------------
+    async def _call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine thread between two steps; its result or exception."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        if self._stopped.is_set():  # the thread may be gone: nobody else will answer
+            self._drain_stopped()
+        return await asyncio.wrap_future(future)
+
+    def _drain_stopped(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, tuple) and not command[1].done():
+                command[1].set_exception(EngineStopped("the engine is shut down"))
+
+    def _loop(self) -> None:
+        while True:
+            commands = [self._commands.get()] if not self.engine.has_work() else []
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if command is _STOP:
+                    self._fail_all(EngineStopped("the server is shutting down"))
+                    self.snapshot = self._snapshot()
+                    self._stopped.set()
+                    self._drain_stopped()
+                    return
+                self._run_command(command)
+            if self.engine.has_work():
+                try:
+                    progressed = self.engine.step()
+                except Exception as exc:  # a model failure ends the step's requests, not the server
+                    log.exception("engine step failed; cancelling the running requests")
+                    self._fail_all(exc)
+                    progressed = []
+                self._steps += 1
+                self._publish(progressed, time.monotonic())
+            self.snapshot = self._snapshot()
+
+    @staticmethod
+    def _run_command(command: Any) -> None:
+        if not isinstance(command, tuple):  # fire and forget (a cancel)
+            command()
+            return
+        fn, future = command
+        try:
+            future.set_result(fn())
+        except Exception as exc:  # handed to the awaiting caller
+            future.set_exception(exc)
+
+    def _publish(self, progressed: list[Request], now: float) -> None:
+        for request in progressed:
+            base, _, index = request.request_id.partition("#")
+            stream = self._streams.get(base)
+            if stream is None:
+                continue
+            i = int(index or 0)
+            if i not in stream.texts:
+                stream.texts[i] = TextStream(self.tokenizer.decode, request.params.stop)
+                stream.sent_tokens[i] = 0
+            text = stream.texts[i]
+            finished = request.status is Status.FINISHED
+            delta_text = text.update(request.output_ids, final=finished)
+            if text.stopped and not finished:  # a stop string: end it now, free its blocks
+                self.engine.cancel(request.request_id)
+                request.finish_reason, finished = "stop", True
+            output = request.output_ids
+            new_tokens = output[stream.sent_tokens[i] :]
+            stream.sent_tokens[i] = len(output)
+            if stream.pin:
+                if finished:
+                    self._finish_pin(stream, request)
+                continue
+            stream.put(
+                Delta(
+                    index=i,
+                    text=delta_text,
+                    token_ids=new_tokens,
+                    finish_reason=request.finish_reason if finished else None,
+                    prompt_tokens=len(request.prompt_ids),
+                    cached_prompt_tokens=request.cached_prompt_tokens,
+                    completion_tokens=len(output),
+                    time=now,
+                )
+            )
+            if finished:
+                stream.open_samples -= 1
+                if stream.open_samples == 0:
+                    del self._streams[base]
+                    stream.put(None)
+
+    def _finish_pin(self, stream: _Stream, request: Request) -> None:
+        """Pin the prompt's blocks right after the request freed them (same thread, no
+        step in between, so nothing can have evicted them)."""
+        del self._streams[request.request_id]
+        try:
+            stream.put(self.engine.manager.pin(request.prompt_ids, request.salt))
+        except Exception as exc:
+            stream.put(exc)
+
+    def _cancel(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        for sample in stream.request.siblings:
+            self.engine.cancel(sample.request_id)
+        stream.put(None)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self._streams.pop(request_id)
+            for sample in stream.request.siblings:
+                self.engine.cancel(sample.request_id)
+            stream.put(exc)
+
+    def _snapshot(self) -> EngineSnapshot:
+        scheduler = self.engine.scheduler
+        return EngineSnapshot(
+            cache=self.engine.manager.stats(),
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            preemptions=scheduler.preemptions,
+            steps=self._steps,
+        )

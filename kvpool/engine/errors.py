@@ -1,0 +1,19 @@
+"""Typed errors for requests the engine refuses at once (the server maps them to 4xx)."""
+
+from __future__ import annotations
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as sent; nothing was allocated for it."""
+
+
+class PromptTooLong(RequestError):
+    """The prompt does not fit the model's context length."""
+
+
+class PromptExceedsPool(RequestError):
+    """The request needs more KV blocks than the whole pool holds."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine was shut down; the request was cancelled."""
