@@ -67,14 +67,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    print(
-        "kvpool: the HTTP server is not built yet (it lands with the server issue).\n"
-        "What exists today: the KV block manager, the capacity simulator and the model\n"
-        "runtime. Here the runtime loads the default model and answers one question.\n",
-        file=sys.stderr,
-    )
-    args.model, args.prompt, args.raw = None, "What is a KV cache, in one sentence?", False
-    return _generate(args)
+    from kvpool.server.main import serve
+
+    return serve(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,8 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     _runtime_options(generate)
     generate.set_defaults(func=_generate)
 
-    serve = sub.add_parser("serve", help="serve a model over HTTP")
-    _runtime_options(serve)
+    serve = sub.add_parser(
+        "serve", help="serve a model over HTTP: Ollama and OpenAI APIs, metrics, KV admin"
+    )
+    from kvpool.server.main import add_arguments
+
+    add_arguments(serve)
     serve.set_defaults(func=_serve)
     return parser
 

@@ -120,6 +120,22 @@ def test_no_hit_across_salts():
     check_invariants(m)
 
 
+def test_a_public_prefix_is_shared_across_salts_and_what_follows_is_not():
+    m = make()  # blocks of 4
+    shared = list(range(8))  # two blocks declared shared (a pinned system prompt)
+    m.allocate("a", [*shared, 50, 51, 52, 53, 54], salt="tenant-1", public_tokens=8)
+    m.free("a")
+    # another tenant hits the two public blocks, not tenant-1's block after them
+    hit = m.allocate("b", [*shared, 50, 51, 52, 53, 54], salt="tenant-2", public_tokens=8)
+    assert hit.num_cached_tokens == 8
+    m.free("b")
+    # without declaring the prefix public, nothing is shared across tenants
+    assert m.count_cached_tokens([*shared, 50, 51, 52, 53, 54], salt="tenant-3") == 0
+    # tenant-1 hits all three of its blocks
+    assert m.count_cached_tokens([*shared, 50, 51, 52, 53, 54], "tenant-1", public_tokens=8) == 12
+    check_invariants(m)
+
+
 def test_partial_blocks_are_never_indexed():
     m = make()
     m.allocate("a", range(6))

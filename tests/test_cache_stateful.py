@@ -49,6 +49,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.m = KVCacheManager(24, BS, max_pinned_fraction=0.25, **kwargs)
         self.tokens: dict[int, list[int]] = {}
         self.salt: dict[int, bytes | str | None] = {}
+        self.public: dict[int, int] = {}  # seq -> leading blocks keyed without its salt
         self.context: dict[int, tuple] = {}  # block id -> (salt, prefix through the block)
         self.pins: set[tuple] = set()
         self.next_id = 0
@@ -60,7 +61,10 @@ class CacheMachine(RuleBasedStateMachine):
         table = self.m.block_table(seq)
         toks = self.tokens[seq]
         for i in range(first_block, len(table)):
-            self.context[table[i]] = (self.salt[seq], tuple(toks[: (i + 1) * BS]))
+            self.context[table[i]] = (self._salt(seq, i), tuple(toks[: (i + 1) * BS]))
+
+    def _salt(self, seq: int, block: int) -> str | None:
+        return None if block < self.public[seq] else self.salt[seq]
 
     def _check_contexts(self, seq: int, num_blocks: int | None = None) -> None:
         toks = self.tokens[seq]
@@ -68,7 +72,7 @@ class CacheMachine(RuleBasedStateMachine):
         for i, block_id in enumerate(table):
             if i * BS >= len(toks):
                 break
-            want = (self.salt[seq], tuple(toks[: (i + 1) * BS]))
+            want = (self._salt(seq, i), tuple(toks[: (i + 1) * BS]))
             assert self.context[block_id] == want, f"seq {seq} block {i} holds other KV"
 
     @rule(
@@ -77,19 +81,21 @@ class CacheMachine(RuleBasedStateMachine):
         tail=st.lists(st.integers(0, 5), max_size=9),
         salt=st.sampled_from(SALTS),
         computed=st.booleans(),
+        public=st.sampled_from([0, 0, BS, 2 * BS + 1]),
     )
-    def allocate(self, prefix, tail, salt, computed):
+    def allocate(self, prefix, tail, salt, computed, public):
         toks = prefix + tail
         if not toks:
             toks = [0]
         seq = self.next_id
         self.next_id += 1
         try:
-            alloc = self.m.allocate(seq, toks, salt=salt, computed=computed)
+            alloc = self.m.allocate(seq, toks, salt=salt, computed=computed, public_tokens=public)
         except OutOfBlocks:
             return seq  # a seq id that does not exist; later rules skip it
         self.tokens[seq] = toks
         self.salt[seq] = salt
+        self.public[seq] = public // BS if salt else 0
         hit_blocks = alloc.num_cached_tokens // BS
         assert alloc.num_cached_tokens < len(toks)
         self._check_contexts(seq, hit_blocks)  # hit blocks must hold exactly this prefix
@@ -123,6 +129,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.m.fork(seq, child)
             self.tokens[child] = list(self.tokens[seq])
             self.salt[child] = self.salt[seq]
+            self.public[child] = self.public[seq]
         return child
 
     @rule(seq=consumes(seqs))

@@ -53,6 +53,10 @@ class _Sequence:
     num_hashed_blocks: int  # leading blocks that carry a key (full and computed)
     salt: bytes
     lookup_keys: list[BlockHash] = field(default_factory=list)  # keys hashed at allocate
+    public_blocks: int = 0  # leading blocks keyed without the salt (a shared prefix)
+
+    def salt_of(self, index: int) -> bytes:
+        return b"" if index < self.public_blocks else self.salt
 
 
 class KVCacheManager:
@@ -129,10 +133,14 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def count_cached_tokens(self, token_ids: Sequence[int], salt: Salt = None) -> int:
+    def count_cached_tokens(
+        self, token_ids: Sequence[int], salt: Salt = None, *, public_tokens: int = 0
+    ) -> int:
         """How many leading tokens ``allocate`` would find cached now (no side effects)."""
         tokens = list(token_ids)
-        hits, _ = self._match_prefix(tokens, salt_bytes(salt), (len(tokens) - 1) // self.block_size)
+        max_blocks = (len(tokens) - 1) // self.block_size
+        public = public_tokens // self.block_size
+        hits, _ = self._match_prefix(tokens, salt_bytes(salt), max_blocks, public)
         return len(hits) * self.block_size
 
     # -- sequence lifecycle --------------------------------------------------------------
@@ -145,6 +153,7 @@ class KVCacheManager:
         computed: bool = True,
         reserve_tokens: int = 0,
         keep_free: int = 0,
+        public_tokens: int = 0,
     ) -> Allocation:
         """Blocks for a new sequence's prompt: cached full blocks of its longest cached
         prefix, new blocks for the rest. Nothing is taken for future output unless
@@ -155,6 +164,11 @@ class KVCacheManager:
 
         ``keep_free`` is an admission watermark: the call fails (``OutOfBlocks``) unless
         that many blocks stay available afterwards, for the running sequences to grow.
+
+        ``public_tokens``: the tokens' first full blocks within this many tokens are keyed
+        without the salt, as if by no tenant (a prefix declared shared across tenants,
+        e.g. a pinned system prompt); every later block carries the salt, and its key
+        chains from the public blocks, so what follows the shared prefix stays private.
         """
         if seq_id in self._seqs:
             raise SequenceExists(seq_id)
@@ -163,10 +177,11 @@ class KVCacheManager:
             raise ValueError("cannot allocate a sequence with no tokens")
         bs = self.block_size
         salt_b = salt_bytes(salt)
+        public = public_tokens // bs if salt_b else 0
         hits: list[Block] = []
         keys: list[BlockHash] = []
         if self.enable_prefix_caching:
-            hits, keys = self._match_prefix(tokens, salt_b, (len(tokens) - 1) // bs)
+            hits, keys = self._match_prefix(tokens, salt_b, (len(tokens) - 1) // bs, public)
         num_new = self.blocks_needed(max(len(tokens), reserve_tokens)) - len(hits)
         available = self.pool.num_free - sum(1 for block in hits if block.ref_count == 0)
         if num_new + keep_free > available:
@@ -188,6 +203,7 @@ class KVCacheManager:
             num_hashed_blocks=len(hits),
             salt=salt_b,
             lookup_keys=keys,
+            public_blocks=public,
         )
         self._seqs[seq_id] = seq
         if self.enable_prefix_caching:
@@ -262,6 +278,7 @@ class KVCacheManager:
             num_hashed_blocks=parent.num_hashed_blocks,
             salt=parent.salt,
             lookup_keys=parent.lookup_keys,
+            public_blocks=parent.public_blocks,
         )
 
     def free(self, seq_id: SeqId) -> None:
@@ -346,11 +363,12 @@ class KVCacheManager:
             raise UnknownSequence(seq_id) from None
 
     def _match_prefix(
-        self, tokens: list[int], salt: bytes, max_blocks: int
+        self, tokens: list[int], salt: bytes, max_blocks: int, public_blocks: int = 0
     ) -> tuple[list[Block], list[BlockHash]]:
         """The longest chain of indexed blocks holding ``tokens``' first full blocks (at
         most ``max_blocks``), and the keys hashed on the way (one per block looked up,
-        the first miss included, for reuse when the sequence's own blocks are cached)."""
+        the first miss included, for reuse when the sequence's own blocks are cached).
+        The first ``public_blocks`` are looked up without the salt."""
         bs = self.block_size
         hits: list[Block] = []
         keys: list[BlockHash] = []
@@ -358,9 +376,10 @@ class KVCacheManager:
         parent_cid = -1
         for i in range(max_blocks):
             chunk = tokens[i * bs : (i + 1) * bs]
-            key = self._hash(parent_key, salt, chunk)
+            block_salt = b"" if i < public_blocks else salt
+            key = self._hash(parent_key, block_salt, chunk)
             keys.append(key)
-            block = self.pool.lookup(key, parent_cid, salt, chunk)
+            block = self.pool.lookup(key, parent_cid, block_salt, chunk)
             if block is None:
                 break
             hits.append(block)
@@ -384,9 +403,9 @@ class KVCacheManager:
             if i < len(seq.lookup_keys):
                 key = seq.lookup_keys[i]
             else:
-                key = self._hash(parent_key, seq.salt, block.token_ids)
+                key = self._hash(parent_key, seq.salt_of(i), block.token_ids)
             parent_cid = parent.content_id if parent is not None else -1
-            self.pool.cache_full_block(block, key, parent_cid, seq.salt)
+            self.pool.cache_full_block(block, key, parent_cid, seq.salt_of(i))
             seq.num_hashed_blocks = i + 1
         if seq.num_hashed_blocks >= len(seq.lookup_keys):
             seq.lookup_keys = []

@@ -85,6 +85,38 @@ class _Stream:
 _STOP = object()
 
 
+class RequestStream:
+    """A submitted request: iterate it for deltas (it ends when every sample has
+    finished); ``cancel`` ends it early from the event loop."""
+
+    def __init__(
+        self, engine: AsyncLLM, request_id: str, prompt_tokens: int, deltas: asyncio.Queue[Any]
+    ) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self._deltas = deltas
+        self.done = False
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Delta]:
+        while not self.done:
+            item = await self._deltas.get()
+            if item is None:
+                self.done = True
+                return
+            if isinstance(item, BaseException):
+                self.done = True
+                raise item
+            yield item
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.engine.cancel(self.request_id)
+
+
 class AsyncLLM:
     def __init__(self, llm: LLM) -> None:
         self.llm = llm
@@ -102,6 +134,11 @@ class AsyncLLM:
     def start(self) -> None:
         self._thread.start()
 
+    def stop_soon(self) -> None:
+        """Ask the engine thread to cancel every request and stop; does not wait (safe
+        from a signal handler)."""
+        self._commands.put(_STOP)
+
     def shutdown(self, timeout: float | None = 30) -> None:
         """Cancel every request (their blocks are freed) and stop the engine thread."""
         if self._thread.is_alive():
@@ -111,6 +148,29 @@ class AsyncLLM:
         self._drain_stopped()
 
     # -- requests ------------------------------------------------------------------------
+    async def submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        salt: str | None = None,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Queue a request; raises the engine's ``RequestError`` (nothing allocated) if it
+        is refused. Iterate the returned stream for its deltas."""
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[Any] = asyncio.Queue()
+        request_id = request_id or f"r{next(self._ids)}"
+        ids = list(prompt_ids)
+
+        def submit() -> int:
+            request = self.engine.add_request(ids, params, request_id=request_id, salt=salt)
+            self._streams[request_id] = _Stream(request, loop, deltas, open_samples=params.n)
+            return request.public_tokens
+
+        await self._call(submit)
+        return RequestStream(self, request_id, len(ids), deltas)
+
     async def generate(
         self,
         prompt_ids: Sequence[int],
@@ -119,37 +179,31 @@ class AsyncLLM:
         salt: str | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[Delta]:
-        """Deltas of the request's samples until each has finished. Raises the engine's
-        ``RequestError`` (nothing allocated) before the first delta if it is refused."""
-        loop = asyncio.get_running_loop()
-        deltas: asyncio.Queue[Any] = asyncio.Queue()
-        request_id = request_id or f"r{next(self._ids)}"
-        ids = list(prompt_ids)
-
-        def submit() -> None:
-            request = self.engine.add_request(ids, params, request_id=request_id, salt=salt)
-            self._streams[request_id] = _Stream(request, loop, deltas, open_samples=params.n)
-
-        await self._call(submit)
+        """``submit``, then the deltas of the request's samples until each has finished;
+        leaving the iteration early cancels the request."""
+        stream = await self.submit(prompt_ids, params, salt=salt, request_id=request_id)
         try:
-            while True:
-                item = await deltas.get()
-                if item is None:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+            async for delta in stream:
+                yield delta
         finally:
-            self._commands.put(lambda: self._cancel(request_id))
+            stream.cancel()
 
-    async def pin_prefix(self, prompt_ids: Sequence[int], *, salt: str | None = None) -> int:
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request from any thread; its blocks are freed before the next step."""
+        self._commands.put(lambda: self._cancel(request_id))
+
+    async def pin_prefix(
+        self, prompt_ids: Sequence[int], *, salt: str | None = None, shared: bool = False
+    ) -> int:
         """Compute a prefix once (if it is not cached) and pin its full blocks; returns
-        the number of tokens pinned."""
+        the number of tokens pinned. ``shared``: pinned for every tenant (no salt), and
+        salted requests that start with it share its blocks."""
         loop = asyncio.get_running_loop()
         done: asyncio.Queue[Any] = asyncio.Queue()
         request_id = f"pin{next(self._ids)}"
         ids = list(prompt_ids)
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        salt = None if shared else salt
 
         def submit() -> None:
             request = self.engine.add_request(ids, params, request_id=request_id, salt=salt)
@@ -161,11 +215,21 @@ class AsyncLLM:
             if isinstance(item, BaseException):
                 raise item
             if isinstance(item, int):
+                if shared and item:
+                    await self._call(lambda: self.engine.shared_prefixes.add(tuple(ids)))
                 return item
 
-    async def unpin_prefix(self, prompt_ids: Sequence[int], *, salt: str | None = None) -> None:
+    async def unpin_prefix(
+        self, prompt_ids: Sequence[int], *, salt: str | None = None, shared: bool = False
+    ) -> None:
         ids = list(prompt_ids)
-        await self._call(lambda: self.engine.manager.unpin(ids, salt))
+
+        def unpin() -> None:
+            self.engine.manager.unpin(ids, None if shared else salt)
+            if shared:
+                self.engine.shared_prefixes.discard(tuple(ids))
+
+        await self._call(unpin)
 
     async def reset_prefix_cache(self) -> int:
         """Drop every cached block that no request holds and no pin keeps; returns how

@@ -51,6 +51,9 @@ class Engine:
         self.stop_ids = frozenset(stop_ids)
         self.context_length = model.config.context_length
         self.requests: dict[str, Request] = {}
+        # Prefixes (pinned system prompts) that every tenant may share: a salted request
+        # starting with one looks its blocks up without its salt.
+        self.shared_prefixes: set[tuple[int, ...]] = set()
         self._ids = itertools.count()
 
     @property
@@ -94,6 +97,10 @@ class Engine:
         request.forks_pending = params.n - 1
         request.siblings = [request]
         request.reserve_tokens = reserve
+        if salt is not None:
+            request.public_tokens = max(
+                (len(p) for p in self.shared_prefixes if tuple(prompt[: len(p)]) == p), default=0
+            )
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request

@@ -40,6 +40,7 @@ class Request:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     reserve_tokens: int = 0  # the static policy: token slots taken up front at admission
+    public_tokens: int = 0  # leading prompt tokens of a prefix shared across tenants
     forks_pending: int = 0  # n > 1: samples to fork from this one at its first token
     siblings: list[Request] = field(default_factory=list)  # all n samples, this one first
 

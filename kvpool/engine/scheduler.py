@@ -98,6 +98,7 @@ class Scheduler:
                     computed=False,
                     reserve_tokens=request.reserve_tokens,
                     keep_free=keep_free,
+                    public_tokens=request.public_tokens,
                 )
             except OutOfBlocks:
                 if self.running:

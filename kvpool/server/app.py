@@ -1,0 +1,54 @@
+"""``create_app``: the FastAPI application for one served model.
+
+Routes: ``ollama_api`` (``/api/...``, ``/``), ``openai_api`` (``/v1/...``), ``admin_api``
+(``/api/kvcache``, ``/metrics``). Every route but ``/`` and ``/api/version`` needs a valid
+key when keys are configured (401 otherwise); the key's tenant is on ``request.state``.
+Request bodies over ``max_body_bytes`` get 413 before any route reads them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+
+from kvpool import __version__
+from kvpool.server import admin_api, errors, ollama_api, openai_api
+from kvpool.server.auth import ANONYMOUS, KeyRing
+from kvpool.server.errors import APIError
+from kvpool.server.limits import BodyLimit
+from kvpool.server.metrics import Metrics
+from kvpool.server.served_model import ServedModel
+from kvpool.server.state import ServerState
+
+PUBLIC_PATHS = frozenset({"/", "/api/version"})
+
+
+async def authenticate(request: Request) -> None:
+    keys: KeyRing = request.app.state.kv.keys
+    if request.url.path in PUBLIC_PATHS:
+        request.state.tenant = ANONYMOUS if not keys.enabled else keys.tenant(None) or ANONYMOUS
+        return
+    tenant = keys.tenant(request.headers.get("authorization"))
+    if tenant is None:
+        raise APIError(401, "a valid API key is required (Authorization: Bearer <key>)",
+                       "authentication_error")  # fmt: skip
+    request.state.tenant = tenant
+
+
+def create_app(
+    model: ServedModel, *, keys: KeyRing | None = None, max_body_bytes: int = 8 * 2**20
+) -> Any:
+    """The ASGI application (FastAPI wrapped in the body-size limit)."""
+    app = FastAPI(title="kvpool", version=__version__, docs_url=None, redoc_url=None)
+    app.state.kv = ServerState(
+        model=model,
+        keys=keys or KeyRing({}),
+        metrics=Metrics(lambda: model.engine.snapshot),
+    )
+    errors.install(app)
+    auth = [Depends(authenticate)]
+    app.include_router(ollama_api.router, dependencies=auth)
+    app.include_router(openai_api.router, dependencies=auth)
+    app.include_router(admin_api.router, dependencies=auth)
+    return BodyLimit(app, max_body_bytes)

@@ -1,0 +1,123 @@
+"""Errors as each API's clients expect them: Ollama ``{"error": "..."}``, OpenAI
+``{"error": {"message", "type", "param", "code"}}`` (paths under ``/v1/``).
+
+Every refusal is a 4xx with a message that says what was wrong and what the limits are;
+nothing is allocated for a refused request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvpool.cache import CacheError, NotPinned, PinLimitExceeded
+from kvpool.engine.errors import EngineStopped, PromptExceedsPool, RequestError
+from kvpool.engine.sampling import InvalidSamplingParams
+
+log = logging.getLogger("kvpool.server")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+
+def bad_request(message: str) -> APIError:
+    return APIError(400, message)
+
+
+def error_body(path: str, status: int, message: str, kind: str) -> dict:
+    if path.startswith("/v1/"):
+        return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return {"error": message}
+
+
+def error_response(request: Request, status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse(error_body(request.url.path, status, message, kind), status_code=status)
+
+
+def _kind(status: int) -> str:
+    return {
+        401: "authentication_error",
+        403: "permission_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        503: "service_unavailable",
+    }.get(status, "invalid_request_error")
+
+
+def _validation_message(exc: RequestValidationError | ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            return f"malformed JSON body: {err.get('ctx', {}).get('error', 'invalid JSON')}"
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"{where or 'body'}: {err.get('msg')}")
+    return "invalid request: " + "; ".join(parts)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def read_json(http: Request, model: type[M]) -> M:
+    """The request body parsed as JSON into ``model``, whatever its content type (Ollama
+    accepts bodies sent without one, as curl sends them). 400 on malformed JSON or on a
+    field of the wrong type."""
+    raw = await http.body()
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as exc:
+        raise bad_request(_validation_message(exc)) from None
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(request, exc.status, exc.message, exc.kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(request, 400, _validation_message(exc), "invalid_request_error")
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def json_error(request: Request, exc: json.JSONDecodeError) -> JSONResponse:
+        return error_response(request, 400, f"malformed JSON body: {exc}", "invalid_request_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(request, exc.status_code, str(exc.detail), _kind(exc.status_code))
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, exc: RequestError) -> JSONResponse:
+        status = 413 if isinstance(exc, PromptExceedsPool) else 400
+        return error_response(request, status, str(exc), _kind(status))
+
+    @app.exception_handler(InvalidSamplingParams)
+    async def sampling_error(request: Request, exc: InvalidSamplingParams) -> JSONResponse:
+        return error_response(request, 400, str(exc), "invalid_request_error")
+
+    @app.exception_handler(CacheError)
+    async def cache_error(request: Request, exc: CacheError) -> JSONResponse:
+        status = 404 if isinstance(exc, NotPinned) else 409
+        if isinstance(exc, PinLimitExceeded):
+            status = 409
+        return error_response(request, status, str(exc) or type(exc).__name__, _kind(status))
+
+    @app.exception_handler(EngineStopped)
+    async def stopped(request: Request, exc: EngineStopped) -> JSONResponse:
+        return error_response(request, 503, str(exc), "service_unavailable")
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(request, 500, f"internal error: {exc}", "server_error")

@@ -1,0 +1,137 @@
+"""``Generation``: one HTTP request's run on the engine, shared by both APIs.
+
+It submits the request (a refusal raises before any response is started, so it becomes a
+4xx), watches the connection (a client that goes away cancels the request: its blocks are
+freed at once), gathers each sample's text and tokens, and records the timings and
+metrics when the request ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from kvpool.engine.async_llm import AsyncLLM, Delta, RequestStream
+from kvpool.engine.sampling import SamplingParams
+from kvpool.server.auth import Tenant
+from kvpool.server.metrics import Metrics
+
+
+@dataclass
+class Sample:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Outcome:
+    samples: list[Sample]
+    prompt_tokens: int
+    cached_prompt_tokens: int = 0
+    created: float = field(default_factory=time.time)  # wall clock, for the APIs' stamps
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    end: float | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
+    def durations_ns(self) -> dict[str, int]:
+        """Ollama's duration fields."""
+        end = self.end or time.monotonic()
+        first = self.first_token or end
+        return {
+            "total_duration": int((end - self.arrival) * 1e9),
+            "load_duration": 0,
+            "prompt_eval_duration": int((first - self.arrival) * 1e9),
+            "eval_duration": int((end - first) * 1e9),
+        }
+
+
+class Generation:
+    def __init__(self, stream: RequestStream, n: int, metrics: Metrics, api: str) -> None:
+        self.stream = stream
+        self.outcome = Outcome([Sample() for _ in range(n)], stream.prompt_tokens)
+        self._metrics = metrics
+        self._api = api
+        self._watcher: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(
+        cls,
+        engine: AsyncLLM,
+        http: Request,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        tenant: Tenant,
+        metrics: Metrics,
+        api: str,
+    ) -> Generation:
+        arrival = time.monotonic()
+        stream = await engine.submit(prompt_ids, params, salt=tenant.salt)
+        generation = cls(stream, params.n, metrics, api)
+        generation.outcome.arrival = arrival
+        generation._watcher = asyncio.create_task(_cancel_on_disconnect(http, stream))
+        return generation
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """The request's deltas as they come; the outcome fills in on the way."""
+        out = self.outcome
+        try:
+            async for delta in self.stream:
+                sample = out.samples[delta.index]
+                sample.text += delta.text
+                sample.token_ids += delta.token_ids
+                out.cached_prompt_tokens = delta.cached_prompt_tokens
+                if delta.token_ids and out.first_token is None:
+                    out.first_token = delta.time
+                    self._metrics.ttft.observe(delta.time - out.arrival)
+                if delta.finish_reason is not None:
+                    sample.finish_reason = _public_reason(delta.finish_reason)
+                yield delta
+        finally:
+            self.close()
+
+    async def run(self) -> Outcome:
+        async for _ in self.deltas():
+            pass
+        return self.outcome
+
+    def close(self) -> None:
+        """End the request (cancel it if it is still running) and record its metrics."""
+        if self._watcher is None:
+            return
+        self._watcher.cancel()
+        self._watcher = None
+        self.stream.cancel()
+        out = self.outcome
+        out.end = time.monotonic()
+        m = self._metrics
+        m.latency.observe(out.end - out.arrival)
+        m.prompt_tokens.inc(out.prompt_tokens)
+        m.cached_prompt_tokens.inc(out.cached_prompt_tokens)
+        m.generation_tokens.inc(out.completion_tokens)
+        for sample in out.samples:
+            m.requests.labels(self._api, sample.finish_reason or "cancelled").inc()
+
+
+def _public_reason(reason: str) -> str:
+    return "length" if reason == "too_long_for_pool" else reason
+
+
+async def _cancel_on_disconnect(http: Request, stream: RequestStream) -> None:
+    """Wait for the client to go away, then cancel its request (the body is already
+    read, so the next ASGI message can only be the disconnect)."""
+    with contextlib.suppress(asyncio.CancelledError):
+        while True:
+            message = await http.receive()
+            if message["type"] == "http.disconnect":
+                stream.cancel()
+                return

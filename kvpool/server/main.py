@@ -1,0 +1,117 @@
+"""``kvpool serve``: load a model, build its block pool, serve the APIs with uvicorn.
+
+Binds 127.0.0.1:11434 by default (Ollama's port; ``KVPOOL_HOST`` as ``host`` or
+``host:port``, like ``OLLAMA_HOST``). Prints ``kvpool: serving <model> on <url>`` once the
+socket listens (``--port 0`` picks a free port and prints it). SIGINT / SIGTERM cancel the
+requests in flight (their blocks are freed), end their streams and exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 11434
+
+
+def host_and_port(args: argparse.Namespace) -> tuple[str, int]:
+    host, port = DEFAULT_HOST, DEFAULT_PORT
+    env = os.environ.get("KVPOOL_HOST", "").strip()
+    if env:
+        env = env.split("://", 1)[-1].rstrip("/")
+        if env.count(":") == 1:
+            host, _, port_text = env.partition(":")
+            port = int(port_text)
+        else:
+            host = env
+    return (args.host or host), (port if args.port is None else args.port)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="GGUF path or Ollama model name (default: the built-in model)")  # fmt: skip
+    p.add_argument("--host", default=None, help=f"default {DEFAULT_HOST} (or KVPOOL_HOST)")
+    p.add_argument("--port", type=int, default=None, help=f"default {DEFAULT_PORT}; 0: any free")
+    p.add_argument("--kv-cache-memory", type=int, default=512, metavar="MiB")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--policy", choices=["paged", "static"], default="paged")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require this key (repeatable; these keys are admins)")  # fmt: skip
+    p.add_argument("--keys-file", type=Path, default=None,
+                   help="keys, one per line: '[tenant] key [admin]'")  # fmt: skip
+    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
+    p.add_argument("--quiet", action="store_true", help="no load progress, warnings only")
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvpool.engine.async_llm import AsyncLLM
+    from kvpool.engine.llm import LLM
+    from kvpool.model_store import ModelNotFound
+    from kvpool.server.app import create_app
+    from kvpool.server.auth import KeyRing
+    from kvpool.server.served_model import ServedModel
+
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
+    host, port = host_and_port(args)
+    try:
+        keys = KeyRing.load(args.api_key, args.keys_file)
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            kv_cache_memory=args.kv_cache_memory * 2**20,
+            block_size=args.block_size,
+            max_batch_tokens=args.max_batch_tokens,
+            enable_prefix_caching=not args.no_prefix_caching,
+            policy=args.policy,
+            progress=not args.quiet,
+        )
+    except (ModelNotFound, ValueError, OSError) as exc:
+        print(f"kvpool: {exc}", file=sys.stderr)
+        return 2
+    engine = AsyncLLM(llm)
+    model = ServedModel.open(args.model, llm, engine)
+    pool = llm.engine.manager
+    print(
+        f"  KV pool: {pool.num_blocks} blocks of {pool.block_size} tokens = "
+        f"{pool.num_blocks * pool.block_size:,} token slots "
+        f"({pool.stats().total_bytes / 2**20:.0f} MiB), policy {args.policy}, prefix caching "
+        f"{'off' if args.no_prefix_caching else 'on'}, API keys {'on' if keys.enabled else 'off'}",
+        file=sys.stderr,
+    )
+    app = create_app(model, keys=keys, max_body_bytes=args.max_body_bytes)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        print(f"kvpool: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
+        return 2
+    bound_port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning" if args.quiet else "info",
+                            timeout_graceful_shutdown=10)  # fmt: skip
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            engine.stop_soon()  # in-flight requests end now; their blocks are freed
+            super().handle_exit(sig, frame)
+
+    engine.start()
+    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    print(f"kvpool: serving {model.name} on http://{shown}:{bound_port}", flush=True)
+    try:
+        Server(config).run(sockets=[sock])
+    finally:
+        engine.shutdown()
+        print("kvpool: stopped", file=sys.stderr)
+    return 0

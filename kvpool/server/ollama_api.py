@@ -1,0 +1,233 @@
+"""Ollama's API: generate, chat (NDJSON streaming by default), tags, show, ps, version.
+
+Replies carry the fields Ollama's clients read: ``done``, ``done_reason``,
+``prompt_eval_count``, ``eval_count`` and the durations in nanoseconds; ``context`` (the
+tokens of prompt and answer) on ``/api/generate``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from kvpool import __version__
+from kvpool.engine.errors import EngineStopped
+from kvpool.server.errors import bad_request, read_json
+from kvpool.server.generation import Generation, Outcome
+from kvpool.server.params import ollama_params
+from kvpool.server.state import State, tenant_of
+
+router = APIRouter()
+OLLAMA_COMPAT_VERSION = "0.12.0"  # the Ollama API level these routes follow
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class GenerateBody(_Body):
+    model: str | None = None
+    prompt: str = ""
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    stream: bool = True
+    raw: bool = False
+    format: str | dict[str, Any] | None = None
+    images: list[str] | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
+
+
+class Message(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = ""
+    images: list[str] | None = None
+
+
+class ChatBody(_Body):
+    model: str | None = None
+    messages: list[Message] = []
+    stream: bool = True
+    format: str | dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    options: dict[str, Any] | None = None
+    keep_alive: str | int | float | None = None
+
+
+class ShowBody(_Body):
+    model: str | None = None
+    name: str | None = None
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _unsupported(format: Any = None, images: Any = None, tools: Any = None) -> None:
+    if format:
+        raise bad_request("structured output (format) is not supported by kvpool")
+    if images:
+        raise bad_request("images are not supported: kvpool serves text models")
+    if tools:
+        raise bad_request("tool calling is not supported by kvpool")
+
+
+def _final_stats(out: Outcome) -> dict[str, Any]:
+    sample = out.samples[0]
+    return {
+        "done": True,
+        "done_reason": sample.finish_reason or "stop",
+        **out.durations_ns(),
+        "prompt_eval_count": out.prompt_tokens,
+        "prompt_cache_count": out.cached_prompt_tokens,
+        "eval_count": len(sample.token_ids),
+    }
+
+
+def _ndjson(generation: Generation, piece: Any, final: Any) -> StreamingResponse:
+    async def lines() -> AsyncIterator[bytes]:
+        try:
+            async for delta in generation.deltas():
+                if delta.text:
+                    yield (json.dumps(piece(delta.text)) + "\n").encode()
+        except EngineStopped as exc:  # shutting down: end the stream as Ollama does
+            yield (json.dumps({"error": str(exc)}) + "\n").encode()
+            return
+        yield (json.dumps(final(generation.outcome)) + "\n").encode()
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+@router.post("/api/generate")
+async def generate(http: Request, state: State) -> Any:
+    body = await read_json(http, GenerateBody)
+    model = state.check_model(body.model)
+    _unsupported(body.format, body.images)
+    if body.suffix:
+        raise bad_request("suffix (fill-in-the-middle) is not supported by kvpool")
+    tokenizer = model.llm.tokenizer
+    if not body.prompt and not body.context:
+        # Ollama's way to load a model: nothing to generate.
+        return {"model": model.name, "created_at": _now(), "response": "", "done": True,
+                "done_reason": "load"}  # fmt: skip
+    if body.raw:
+        ids = tokenizer.encode(body.prompt)
+    else:
+        messages = [{"role": "system", "content": body.system}] if body.system else []
+        ids = tokenizer.encode_chat([*messages, {"role": "user", "content": body.prompt}])
+    ids = list(body.context or []) + ids
+    params = ollama_params(body.options, len(ids), model.context_length)
+    generation = await Generation.start(
+        model.engine, http, ids, params, tenant_of(http), state.metrics, "ollama"
+    )
+
+    def piece(text: str) -> dict[str, Any]:
+        return {"model": model.name, "created_at": _now(), "response": text, "done": False}
+
+    def final(out: Outcome) -> dict[str, Any]:
+        return {
+            "model": model.name,
+            "created_at": _now(),
+            "response": "",
+            **_final_stats(out),
+            "context": ids + out.samples[0].token_ids,
+        }
+
+    if body.stream:
+        return _ndjson(generation, piece, final)
+    out = await generation.run()
+    return {**final(out), "response": out.samples[0].text}
+
+
+@router.post("/api/chat")
+async def chat(http: Request, state: State) -> Any:
+    body = await read_json(http, ChatBody)
+    model = state.check_model(body.model)
+    _unsupported(body.format, any(m.images for m in body.messages), body.tools)
+    if not body.messages:
+        return {"model": model.name, "created_at": _now(),
+                "message": {"role": "assistant", "content": ""}, "done": True,
+                "done_reason": "load"}  # fmt: skip
+    messages = [{"role": m.role, "content": m.content} for m in body.messages]
+    try:
+        ids = model.llm.tokenizer.encode_chat(messages)
+    except ValueError as exc:  # the template refused the conversation
+        raise bad_request(str(exc)) from None
+    params = ollama_params(body.options, len(ids), model.context_length)
+    generation = await Generation.start(
+        model.engine, http, ids, params, tenant_of(http), state.metrics, "ollama"
+    )
+
+    def piece(text: str) -> dict[str, Any]:
+        return {"model": model.name, "created_at": _now(),
+                "message": {"role": "assistant", "content": text}, "done": False}  # fmt: skip
+
+    def final(out: Outcome) -> dict[str, Any]:
+        return {"model": model.name, "created_at": _now(),
+                "message": {"role": "assistant", "content": ""}, **_final_stats(out)}  # fmt: skip
+
+    if body.stream:
+        return _ndjson(generation, piece, final)
+    out = await generation.run()
+    reply = final(out)
+    reply["message"]["content"] = out.samples[0].text
+    return reply
+
+
+@router.get("/api/tags")
+async def tags(state: State) -> Any:
+    return {"models": [state.model.listing()]}
+
+
+@router.post("/api/show")
+async def show(http: Request, state: State) -> Any:
+    body = await read_json(http, ShowBody)
+    model = state.check_model(body.model or body.name)
+    params = "\n".join(f"{k} {v}" for k, v in (("temperature", 0.8), ("top_k", 40), ("top_p", 0.9)))
+    return {
+        "license": str(model.info.get("general.license", "")),
+        "modelfile": f"FROM {model.path}\n",
+        "parameters": params,
+        "template": model.llm.tokenizer.chat_template or "",
+        "details": model.details(),
+        "model_info": model.info,
+        "capabilities": ["completion"],
+        "modified_at": model.modified_at.isoformat(),
+    }
+
+
+@router.get("/api/ps")
+async def ps(state: State) -> Any:
+    model = state.model
+    stats = model.engine.snapshot.cache
+    on_gpu = model.llm.loaded.model.device.type == "cuda"
+    size = model.size + stats.total_bytes
+    return {
+        "models": [
+            {
+                **model.listing(),
+                "expires_at": (datetime.now(UTC) + timedelta(days=3650)).isoformat(),
+                "size": size,
+                "size_vram": size if on_gpu else 0,
+                "context_length": model.context_length,
+            }
+        ]
+    }
+
+
+@router.get("/api/version")
+async def version() -> Any:
+    return {"version": OLLAMA_COMPAT_VERSION, "kvpool": __version__}
+
+
+@router.api_route("/", methods=["GET", "HEAD"])
+async def root() -> PlainTextResponse:
+    return PlainTextResponse("Ollama is running (kvpool)")

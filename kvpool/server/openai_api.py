@@ -1,0 +1,248 @@
+"""OpenAI's API: chat completions and completions (SSE streaming ending with ``[DONE]``),
+models. Usage includes ``prompt_tokens_details.cached_tokens``: the prompt tokens served
+from the prefix cache."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from kvpool.engine.errors import EngineStopped
+from kvpool.server.errors import APIError, bad_request, read_json
+from kvpool.server.generation import Generation, Outcome
+from kvpool.server.params import openai_params
+from kvpool.server.state import ServerState, State, tenant_of
+
+router = APIRouter(prefix="/v1")
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Common(_Body):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool | int | None = None
+    user: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionBody(_Common):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+    suffix: str | None = None
+
+
+def _text_content(message: ChatMessage) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    parts = []
+    for part in message.content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise bad_request("only text content parts are supported")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def _usage(out: Outcome) -> dict[str, Any]:
+    return {
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "total_tokens": out.prompt_tokens + out.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.cached_prompt_tokens},
+    }
+
+
+def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+        except EngineStopped as exc:  # shutting down: say so in the stream, then end it
+            error = {"message": str(exc), "type": "service_unavailable", "code": 503}
+            yield f"data: {json.dumps({'error': error})}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _check_common(body: _Common) -> None:
+    if body.logprobs:
+        raise bad_request("logprobs are not supported by kvpool")
+    if body.n is not None and not 1 <= body.n <= 64:
+        raise bad_request("n must be in [1, 64]")
+
+
+@router.post("/chat/completions")
+async def chat_completions(http: Request, state: State) -> Any:
+    body = await read_json(http, ChatBody)
+    model = state.check_model(body.model)
+    _check_common(body)
+    if body.tools:
+        raise bad_request("tool calling is not supported by kvpool")
+    if body.response_format and body.response_format.get("type") not in (None, "text"):
+        raise bad_request("response_format other than text is not supported by kvpool")
+    if not body.messages:
+        raise bad_request("messages must not be empty")
+    messages = [
+        {"role": "system" if m.role == "developer" else m.role, "content": _text_content(m)}
+        for m in body.messages
+    ]
+    try:
+        ids = model.llm.tokenizer.encode_chat(messages)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    params = openai_params(body, len(ids), model.context_length)
+    generation = await Generation.start(
+        model.engine, http, ids, params, tenant_of(http), state.metrics, "openai"
+    )
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": rid, "created": created, "model": model.name, "system_fingerprint": "kvpool"}
+
+    if body.stream:
+
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            base = {**head, "object": "chat.completion.chunk"}
+            for i in range(params.n):
+                yield {**base, "choices": [{"index": i, "finish_reason": None,
+                       "delta": {"role": "assistant", "content": ""}}]}  # fmt: skip
+            async for delta in generation.deltas():
+                if delta.text or delta.finish_reason:
+                    choice = {
+                        "index": delta.index,
+                        "delta": {"content": delta.text} if delta.text else {},
+                        "finish_reason": _reason(delta.finish_reason),
+                        "logprobs": None,
+                    }
+                    yield {**base, "choices": [choice]}
+            if body.stream_options and body.stream_options.include_usage:
+                yield {**base, "choices": [], "usage": _usage(generation.outcome)}
+
+        return _sse(chunks())
+    out = await generation.run()
+    return {
+        **head,
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": s.text},
+                "finish_reason": _reason(s.finish_reason),
+                "logprobs": None,
+            }
+            for i, s in enumerate(out.samples)
+        ],
+        "usage": _usage(out),
+    }
+
+
+@router.post("/completions")
+async def completions(http: Request, state: State) -> Any:
+    body = await read_json(http, CompletionBody)
+    model = state.check_model(body.model)
+    _check_common(body)
+    if body.echo or body.suffix:
+        raise bad_request("echo and suffix are not supported by kvpool")
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise bad_request("send one prompt per request (a list of prompts is not supported)")
+        prompt = prompt[0]
+    tokenizer = model.llm.tokenizer
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+    else:
+        vocab = tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise bad_request(f"token ids must be in [0, {vocab})")
+        ids = list(prompt)
+    if not ids:
+        raise bad_request("the prompt is empty")
+    params = openai_params(body, len(ids), model.context_length)
+    generation = await Generation.start(
+        model.engine, http, ids, params, tenant_of(http), state.metrics, "openai"
+    )
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    head = {"id": rid, "object": "text_completion", "created": created, "model": model.name}
+
+    if body.stream:
+
+        async def chunks() -> AsyncIterator[dict[str, Any]]:
+            async for delta in generation.deltas():
+                if delta.text or delta.finish_reason:
+                    choice = {"index": delta.index, "text": delta.text, "logprobs": None,
+                              "finish_reason": _reason(delta.finish_reason)}  # fmt: skip
+                    yield {**head, "choices": [choice]}
+            if body.stream_options and body.stream_options.include_usage:
+                yield {**head, "choices": [], "usage": _usage(generation.outcome)}
+
+        return _sse(chunks())
+    out = await generation.run()
+    return {
+        **head,
+        "choices": [
+            {
+                "index": i,
+                "text": s.text,
+                "logprobs": None,
+                "finish_reason": _reason(s.finish_reason),
+            }
+            for i, s in enumerate(out.samples)
+        ],
+        "usage": _usage(out),
+    }
+
+
+@router.get("/models")
+async def models(state: State) -> Any:
+    return {"object": "list", "data": [_model_entry(state)]}
+
+
+@router.get("/models/{name:path}")
+async def model(name: str, state: State) -> Any:
+    if not state.model.matches(name):
+        raise APIError(404, f"model {name!r} not found", "not_found_error")
+    return _model_entry(state)
+
+
+def _model_entry(state: ServerState) -> dict[str, Any]:
+    created = int(state.model.modified_at.timestamp())
+    return {"id": state.model.name, "object": "model", "created": created, "owned_by": "kvpool"}
+
+
+def _reason(reason: str | None) -> str | None:
+    if reason is None:
+        return None
+    return "length" if reason == "length" else "stop"

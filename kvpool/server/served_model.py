@@ -1,0 +1,102 @@
+"""``ServedModel``: the one model a server runs, its names, and what the listing APIs say
+about it (Ollama's ``/api/tags``, ``/api/show``, ``/api/ps``; OpenAI's ``/v1/models``)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kvpool.engine.async_llm import AsyncLLM
+from kvpool.engine.llm import LLM
+from kvpool.formats.gguf_header import read_gguf_header
+from kvpool.model_store import DEFAULT_ALIASES
+
+DEFAULT_NAME = "smollm2:135m"
+
+# llama.cpp's ``general.file_type`` values, as Ollama names them.
+FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K",
+    11: "Q3_K_S", 12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S",
+    17: "Q5_K_M", 18: "Q6_K", 32: "BF16",
+}  # fmt: skip
+
+
+def _with_tag(name: str) -> str:
+    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+
+
+@dataclass
+class ServedModel:
+    name: str
+    path: Path
+    llm: LLM
+    engine: AsyncLLM
+    aliases: frozenset[str]
+    digest: str
+    size: int
+    modified_at: datetime
+    info: dict[str, Any] = field(default_factory=dict)  # GGUF metadata, for /api/show
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+    @classmethod
+    def open(cls, requested: str | None, llm: LLM, engine: AsyncLLM) -> ServedModel:
+        path = llm.loaded.path
+        if requested is None or requested.lower() in DEFAULT_ALIASES:
+            name, aliases = DEFAULT_NAME, {*DEFAULT_ALIASES, DEFAULT_NAME}
+        elif Path(requested).expanduser().is_file():
+            name, aliases = path.stem, {path.stem, requested, str(path)}
+        else:
+            name, aliases = _with_tag(requested), {requested}
+        aliases |= {name, _with_tag(name)}
+        header = read_gguf_header(path)
+        info = {k: v for k, v in header.metadata.items() if not isinstance(v, list)}
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+        stat = path.stat()
+        return cls(
+            name=name,
+            path=path,
+            llm=llm,
+            engine=engine,
+            aliases=frozenset(a.lower() for a in aliases if a),
+            digest=digest.hexdigest(),
+            size=stat.st_size,
+            modified_at=datetime.fromtimestamp(stat.st_mtime, UTC),
+            info=info,
+        )
+
+    def matches(self, requested: str) -> bool:
+        return requested.lower() in self.aliases or _with_tag(requested.lower()) in self.aliases
+
+    @property
+    def context_length(self) -> int:
+        return self.llm.engine.context_length
+
+    def details(self) -> dict[str, Any]:
+        cfg = self.llm.loaded.config
+        params = self.llm.loaded.model.num_parameters
+        size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
+        return {
+            "parent_model": "",
+            "format": "gguf",
+            "family": cfg.architecture,
+            "families": [cfg.architecture],
+            "parameter_size": size,
+            "quantization_level": FILE_TYPES.get(int(self.info.get("general.file_type", -1)), ""),
+        }
+
+    def listing(self) -> dict[str, Any]:
+        """One entry of ``/api/tags``."""
+        return {
+            "name": self.name,
+            "model": self.name,
+            "modified_at": self.modified_at.isoformat(),
+            "size": self.size,
+            "digest": self.digest,
+            "details": self.details(),
+        }
