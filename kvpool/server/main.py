@@ -9,10 +9,13 @@ requests in flight (their blocks are freed), end their streams and exit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 11434
@@ -105,6 +108,18 @@ def serve(args: argparse.Namespace) -> int:
         def handle_exit(self, sig: int, frame: object) -> None:
             engine.stop_soon()  # in-flight requests end now; their blocks are freed
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn's own re-raises the signal after its graceful shutdown, which kills
+            # the process with it; a clean stop on SIGTERM/SIGINT should exit with 0.
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
 
     engine.start()
     shown = f"[{host}]" if family == socket.AF_INET6 else host
