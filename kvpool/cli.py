@@ -18,6 +18,22 @@ def _bench(args: argparse.Namespace) -> int:
 
         print(engine.run(requests=args.requests))
         return 0
+    if args.what == "serve":
+        from kvpool.bench import serve
+
+        print(
+            serve.run(
+                urls=args.url,
+                local=args.local if args.local is not None else ([] if args.url else ["kvpool"]),
+                names=args.workloads,
+                requests=args.requests,
+                clients=args.clients,
+                kv_cache_memory=args.kv_cache_memory,
+                model=args.model,
+                api_key=args.api_key,
+            )
+        )
+        return 0
     if args.what == "model":
         from kvpool.bench import model
 
@@ -82,13 +98,27 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark and print its table")
     bench.add_argument(
         "what",
-        choices=["cache", "model", "engine"],
+        choices=["cache", "model", "engine", "serve"],
         help="cache: the block manager's own cost; model: the runtime beside transformers; "
-        "engine: workloads with prefix caching on/off and the static policy",
+        "engine: workloads with prefix caching on/off and the static policy; serve: the "
+        "workloads over HTTP against kvpool and/or other servers",
     )
     bench.add_argument("--requests", type=int, default=64, help="engine: requests per workload")
     bench.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     bench.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 256], metavar="N")
+    bench.add_argument(
+        "--url", action="append", default=[], metavar="[NAME=]URL",
+        help="serve: a server to measure (repeatable), e.g. vllm=http://127.0.0.1:8000",
+    )  # fmt: skip
+    bench.add_argument(
+        "--local", action="append", default=None, choices=["kvpool", "kvpool-noprefix",
+        "kvpool-static"], help="serve: start this kvpool configuration (default: kvpool)",
+    )  # fmt: skip
+    bench.add_argument("--clients", type=int, default=64, help="serve: concurrent clients")
+    bench.add_argument("--workloads", nargs="+", default=["shared-prefix", "distinct", "chat"])
+    bench.add_argument("--kv-cache-memory", type=int, default=256, metavar="MiB")
+    bench.add_argument("--model", default=None, help="serve: model name (default: the first)")
+    bench.add_argument("--api-key", default=None)
     bench.set_defaults(func=_bench)
 
     simulate = sub.add_parser(

@@ -1,79 +1,10 @@
-"""A real ``kvpool serve`` process on 127.0.0.1 for tests: started on a free port (the
-server prints the URL once it listens; we read it, no sleeping), stopped with SIGTERM."""
+"""The test servers: ``kvpool serve`` child processes at fp32 (exact outputs)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import time
-
-import httpx
+from kvpool.bench.local_server import LocalServer
 
 
-class ServerProcess:
-    def __init__(self, *args: str, timeout: float = 120) -> None:
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
-        env.pop("KVPOOL_HOST", None)
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvpool.cli",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--dtype",
-                "float32",
-                "--quiet",
-                *args,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            env=env,
-        )
-        deadline = time.monotonic() + timeout
-        self.url = ""
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:  # the process ended before listening
-                raise RuntimeError(f"kvpool serve exited: {self.logs()}")
-            if line.startswith("kvpool: serving "):
-                self.url = line.rsplit(" on ", 1)[1].strip()
-                break
-        if not self.url:
-            self.stop()
-            raise RuntimeError(f"kvpool serve did not start: {self.logs()}")
-
-    def logs(self) -> str:
-        self.log.seek(0)
-        return self.log.read()[-4000:]
-
-    def kvcache(self, **headers: str) -> dict:
-        return httpx.get(f"{self.url}/api/kvcache", headers=headers, timeout=30).json()
-
-    def wait_idle(self, timeout: float = 60, **headers: str) -> dict:
-        """Poll until no request runs or waits; the final stats."""
-        deadline = time.monotonic() + timeout
-        while True:
-            stats = self.kvcache(**headers)
-            if stats["running"] == stats["waiting"] == 0 or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.05)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc.stdout.close()
-        return self.proc.returncode
+class ServerProcess(LocalServer):
+    def __init__(self, *args: str) -> None:
+        super().__init__("--dtype", "float32", *args)

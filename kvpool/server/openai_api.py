@@ -45,6 +45,7 @@ class _Common(_Body):
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
     user: str | None = None
+    ignore_eos: bool = False  # an extension vLLM and llama.cpp accept too (benchmarks)
 
 
 class ChatMessage(_Body):

@@ -8,7 +8,8 @@ Ollama's 1.1 would penalise long prompts far more than Ollama does. ``num_predic
 (the default) or -2 generates until a stop or the context is full.
 
 OpenAI: ``max_tokens`` / ``max_completion_tokens`` (default: until the context is full),
-temperature and top_p (default 1), n, stop, seed, presence / frequency penalties.
+temperature and top_p (default 1), n, stop, seed, presence / frequency penalties, and
+``ignore_eos`` (an extension, as in vLLM and llama.cpp, for benchmarks).
 
 A wrong type or value is a 400 naming the option; a prompt that leaves no room for output
 in the context (or ``num_ctx``) is a 400 naming both lengths.
@@ -108,4 +109,5 @@ def openai_params(body: Any, prompt_len: int, context: int) -> SamplingParams:
         seed=body.seed,
         stop=stop_strings("stop", body.stop),
         n=body.n or 1,
+        ignore_eos=body.ignore_eos,
     )
