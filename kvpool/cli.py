@@ -16,7 +16,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.what == "engine":
         from kvpool.bench import engine
 
-        print(engine.run(requests=args.requests))
+        names = tuple(args.workloads) if args.workloads else engine.ALL
+        print(engine.run(requests=args.requests, names=names, block_sizes=tuple(args.block_sizes)))
         return 0
     if args.what == "serve":
         from kvpool.bench import serve
@@ -25,7 +26,7 @@ def _bench(args: argparse.Namespace) -> int:
             serve.run(
                 urls=args.url,
                 local=args.local if args.local is not None else ([] if args.url else ["kvpool"]),
-                names=args.workloads,
+                names=args.workloads or ["shared-prefix", "distinct", "chat"],
                 requests=args.requests,
                 clients=args.clients,
                 kv_cache_memory=args.kv_cache_memory,
@@ -115,7 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
         "kvpool-static"], help="serve: start this kvpool configuration (default: kvpool)",
     )  # fmt: skip
     bench.add_argument("--clients", type=int, default=64, help="serve: concurrent clients")
-    bench.add_argument("--workloads", nargs="+", default=["shared-prefix", "distinct", "chat"])
+    bench.add_argument(
+        "--workloads", nargs="+", default=None,
+        help="engine: shared-prefix distinct chat prefix-length block-size (default: all); "
+        "serve: shared-prefix distinct chat (default: all)",
+    )  # fmt: skip
     bench.add_argument("--kv-cache-memory", type=int, default=256, metavar="MiB")
     bench.add_argument("--model", default=None, help="serve: model name (default: the first)")
     bench.add_argument("--api-key", default=None)

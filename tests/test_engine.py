@@ -67,9 +67,12 @@ def test_chunked_prefill_equals_whole(fp32_model, expected):
 
 
 def test_small_pool_preempts_and_still_matches(fp32_model, expected):
-    # 52 blocks of 4 tokens hold the three distinct prompts (195 tokens) but not their
-    # growth: the latest admitted are preempted and resumed.
-    engine = Engine(fp32_model, num_blocks=52, block_size=4)
+    # 53 blocks of 4 tokens hold the three distinct prompts (195 tokens, 50 blocks) but
+    # not their growth (6 blocks). Expecting short outputs (as after a run of short
+    # requests), admission lets all three in with a block of headroom each; their growth
+    # then preempts the latest admitted, which resume.
+    engine = Engine(fp32_model, num_blocks=53, block_size=4)
+    engine.scheduler.expected_output = 1.0
     results = engine.generate(prompts()[3:], GREEDY)
     assert [r.output_ids for r in results] == expected[3:]
     assert engine.scheduler.preemptions > 0

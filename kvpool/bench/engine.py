@@ -1,17 +1,25 @@
 """``kvpool bench engine``: named workloads through the engine, one table, one run.
 
-Each workload runs with prefix caching on, off, and under the ``static`` policy (every
-request reserves prompt + max tokens up front, nothing shared: llama.cpp/Ollama slots),
-all on the same model and the same KV memory budget. All requests are sent at once;
-times are wall-clock on this machine.
+Each request workload runs with prefix caching on, off, and under the ``static`` policy
+(every request reserves prompt + max tokens up front, nothing shared: llama.cpp/Ollama
+slots), all on the same model and the same KV memory budget. Requests are sent at once
+(chat turns as soon as the previous turn of their conversation ends); times are
+wall-clock on this machine.
 
 - ``shared-prefix``: 64 requests, one ~600-token system prompt plus a distinct 20-token
   question each, 64 output tokens (EOS ignored);
-- ``distinct``: 64 requests of 200 distinct prompt tokens, 128 output tokens.
+- ``distinct``: 64 requests of 200 distinct prompt tokens, 128 output tokens;
+- ``chat``: 16 conversations of 4 turns, each turn resending the whole history (a
+  120-token system prompt per conversation, 30 new tokens a turn, 48 output tokens);
+- ``prefix-length``: time to first token of one request whose first 32 / 128 / 512 /
+  2,048 tokens are cached, against the same request computed from scratch;
+- ``block-size``: ``shared-prefix`` and ``distinct`` with prefix caching at block sizes
+  16, 64 and 256 on the same budget: throughput and the share of used slots wasted.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import sys
@@ -19,30 +27,43 @@ import time
 from dataclasses import dataclass
 
 from kvpool.engine.engine import Engine
+from kvpool.engine.request import Request
 from kvpool.engine.sampling import SamplingParams
 from kvpool.model.loader import LoadedModel, load_model
+
+ALL = ("shared-prefix", "distinct", "chat", "prefix-length", "block-size")
 
 
 @dataclass(frozen=True)
 class Workload:
+    """Conversations: each is a list of turns (the tokens each turn adds); a turn's prompt
+    is the conversation so far, answers included. One-turn conversations are plain
+    requests."""
+
     name: str
-    prompts: list[list[int]]
+    conversations: list[list[list[int]]]
     params: SamplingParams
 
 
-def workloads(requests: int = 64, seed: int = 0) -> list[Workload]:
+def workloads(requests: int = 64, seed: int = 0) -> dict[str, Workload]:
     rng = random.Random(seed)
 
     def ids(n: int) -> list[int]:
         return [rng.randrange(3, 49000) for _ in range(n)]
 
     system = ids(600)
-    shared = [system + ids(20) for _ in range(requests)]
-    distinct = [ids(200) for _ in range(requests)]
-    return [
-        Workload("shared-prefix", shared, SamplingParams(max_tokens=64, ignore_eos=True)),
-        Workload("distinct", distinct, SamplingParams(max_tokens=128, ignore_eos=True)),
-    ]
+    shared = [[system + ids(20)] for _ in range(requests)]
+    distinct = [[ids(200)] for _ in range(requests)]
+    chats = [[ids(120) + ids(30)] + [ids(30) for _ in range(3)] for _ in range(requests // 4)]
+
+    def upto(n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, ignore_eos=True)
+
+    return {
+        "shared-prefix": Workload("shared-prefix", shared, upto(64)),
+        "distinct": Workload("distinct", distinct, upto(128)),
+        "chat": Workload("chat", chats, upto(48)),
+    }
 
 
 @dataclass
@@ -58,6 +79,7 @@ class Row:
     peak_blocks: int
     max_running: int
     preemptions: int
+    waste: float  # mean share of used slots holding no token (internal fragmentation)
 
 
 CONFIGS = (
@@ -67,58 +89,155 @@ CONFIGS = (
 )
 
 
-def run_one(loaded: LoadedModel, w: Workload, label: str, policy: str, prefix: bool,
-            num_blocks: int, block_size: int) -> Row:  # fmt: skip
-    engine = Engine(
+def _engine(loaded: LoadedModel, policy: str, prefix: bool, num_blocks: int, bs: int) -> Engine:
+    return Engine(
         loaded.model,
         num_blocks=num_blocks,
-        block_size=block_size,
+        block_size=bs,
         enable_prefix_caching=prefix,
         policy=policy,
         stop_ids=loaded.tokenizer.stop_ids,
         seed=0,
     )
+
+
+def run_one(loaded: LoadedModel, w: Workload, label: str, policy: str, prefix: bool,
+            num_blocks: int, block_size: int) -> Row:  # fmt: skip
+    engine = _engine(loaded, policy, prefix, num_blocks, block_size)
     start = time.perf_counter()
-    requests = [engine.add_request(p, w.params) for p in w.prompts]
+    sent: dict[str, float] = {}
     first: dict[str, float] = {}
-    peak = max_running = 0
+    done: list[Request] = []
+    next_turn: dict[str, tuple[int, int]] = {}  # request id -> (conversation, turn)
+
+    def send(conv: int, turn: int, history: list[int]) -> None:
+        r = engine.add_request(history + w.conversations[conv][turn], w.params)
+        sent[r.request_id] = time.perf_counter()
+        next_turn[r.request_id] = (conv, turn + 1)
+
+    for c in range(len(w.conversations)):
+        send(c, 0, [])
+    peak = max_running = steps = 0
+    waste = 0.0
     while engine.has_work():
         for r in engine.step():
             if r.output_ids and r.request_id not in first:
-                first[r.request_id] = time.perf_counter() - start
-        peak = max(peak, engine.manager.stats().used_blocks)
+                first[r.request_id] = time.perf_counter() - sent[r.request_id]
+            if r.finish_reason is not None:
+                done.append(r)
+                conv, turn = next_turn.pop(r.request_id)
+                if turn < len(w.conversations[conv]):
+                    send(conv, turn, r.tokens)
+        stats = engine.manager.stats()
+        peak = max(peak, stats.used_blocks)
         max_running = max(max_running, len(engine.scheduler.running))
+        if stats.used_blocks:
+            waste += stats.waste_slots_internal / (stats.used_blocks * block_size)
+            steps += 1
     wall = time.perf_counter() - start
     ttft = sorted(first.values())
-    cached = sum(r.cached_prompt_tokens for r in requests)
+    cached = sum(r.cached_prompt_tokens for r in done)
     return Row(
-        w.name, label, wall, sum(len(r.output_ids) for r in requests) / wall,
-        sum(len(r.prompt_ids) for r in requests) - cached, cached,
+        w.name, label, wall, sum(len(r.output_ids) for r in done) / wall,
+        sum(len(r.prompt_ids) for r in done) - cached, cached,
         statistics.median(ttft), ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
-        peak, max_running, engine.scheduler.preemptions,
+        peak, max_running, engine.scheduler.preemptions, waste / max(steps, 1),
     )  # fmt: skip
 
 
-def run(kv_cache_memory: int = 128 * 2**20, block_size: int = 16, requests: int = 64) -> str:
-    loaded = load_model(None, progress=False)
-    geometry = loaded.config.kv_geometry(loaded.model.dtype.itemsize)
-    num_blocks = geometry.blocks_for_budget(kv_cache_memory, block_size)
-    rows = []
-    for w in workloads(requests):
-        for label, policy, prefix in CONFIGS:
-            print(f"bench engine: {w.name}, {label}...", file=sys.stderr, flush=True)
-            rows.append(run_one(loaded, w, label, policy, prefix, num_blocks, block_size))
-    head = (
-        f"{loaded.config.name}, {loaded.model.dtype}, KV {kv_cache_memory / 2**20:.0f} MiB = "
-        f"{num_blocks} blocks of {block_size}; {requests} requests sent at once\n"
+def _table(rows: list[Row]) -> list[str]:
+    lines = [
         f"{'workload':<14}{'config':<12}{'wall s':>8}{'out tok/s':>10}{'prompt computed':>16}"
-        f"{'cached':>8}{'TTFT p50':>9}{'p99':>7}{'peak blk':>9}{'max run':>8}{'preempt':>8}"
-    )
-    lines = [head]
+        f"{'cached':>8}{'TTFT p50':>9}{'p99':>8}{'peak blk':>9}{'max run':>8}{'preempt':>8}"
+        f"{'waste':>7}"
+    ]
     for r in rows:
         lines.append(
             f"{r.workload:<14}{r.config:<12}{r.wall_s:>8.1f}{r.output_tok_s:>10.1f}"
-            f"{r.prompt_computed:>16}{r.prompt_cached:>8}{r.ttft_p50:>8.2f}s{r.ttft_p99:>6.2f}s"
-            f"{r.peak_blocks:>9}{r.max_running:>8}{r.preemptions:>8}"
+            f"{r.prompt_computed:>16}{r.prompt_cached:>8}{r.ttft_p50:>8.2f}s{r.ttft_p99:>7.2f}s"
+            f"{r.peak_blocks:>9}{r.max_running:>8}{r.preemptions:>8}{100 * r.waste:>6.1f}%"
         )
-    return "\n".join(lines)
+    return lines
+
+
+def prefix_length(
+    loaded: LoadedModel,
+    num_blocks: int,
+    block_size: int,
+    lengths: tuple[int, ...] = (32, 128, 512, 2048),
+    repeats: int = 3,
+) -> list[str]:
+    """TTFT of a prompt of ``L`` + 16 tokens whose first ``L`` tokens are cached, against
+    the same prompt computed from scratch (medians of ``repeats``)."""
+    rng = random.Random(1)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    lines = [f"{'cached prefix':>14}{'uncached ms':>13}{'cached ms':>11}{'speedup':>9}"]
+
+    def ttft(engine: Engine, prompt: list[int]) -> float:
+        start = time.perf_counter()
+        engine.generate([prompt], one)
+        return 1000 * (time.perf_counter() - start)
+
+    for length in lengths:
+        cold, warm = [], []
+        for _ in range(repeats):
+            prefix = [rng.randrange(3, 49000) for _ in range(length)]
+            prompt = prefix + [rng.randrange(3, 49000) for _ in range(16)]
+            engine = _engine(loaded, "paged", True, num_blocks, block_size)
+            cold.append(ttft(engine, prompt))  # nothing cached yet
+            engine.generate([prefix + [7] * 16], one)  # another request with the prefix
+            engine.scheduler.expected_output = 0.0
+            warm.append(ttft(engine, prompt))
+        c, w = statistics.median(cold), statistics.median(warm)
+        lines.append(f"{length:>14}{c:>13.1f}{w:>11.1f}{c / w:>8.2f}x")
+        progress(f"prefix-length {length} done")
+    return lines
+
+
+def progress(message: str) -> None:
+    print(f"bench engine: {message}", file=sys.stderr, flush=True)
+
+
+def run(
+    kv_cache_memory: int = 128 * 2**20,
+    block_size: int = 16,
+    requests: int = 64,
+    names: tuple[str, ...] = ALL,
+    block_sizes: tuple[int, ...] = (16, 64, 256),
+) -> str:
+    loaded = load_model(None, progress=False)
+    geometry = loaded.config.kv_geometry(loaded.model.dtype.itemsize)
+    num_blocks = geometry.blocks_for_budget(kv_cache_memory, block_size)
+    load = os.getloadavg()
+    out = [
+        f"{loaded.config.name}, {loaded.model.dtype}, KV {kv_cache_memory / 2**20:.0f} MiB = "
+        f"{num_blocks} blocks of {block_size}; {requests} requests sent at once; "
+        f"load average at start {load[0]:.2f}"
+    ]
+    chosen = workloads(requests)
+    rows = []
+    for name in ("shared-prefix", "distinct", "chat"):
+        if name not in names:
+            continue
+        for label, policy, prefix in CONFIGS:
+            progress(f"{name}, {label}...")
+            rows.append(
+                run_one(loaded, chosen[name], label, policy, prefix, num_blocks, block_size)
+            )
+    if rows:
+        out += _table(rows)
+    if "block-size" in names:
+        sweep = []
+        for name in ("shared-prefix", "distinct"):
+            for bs in block_sizes:
+                progress(f"{name}, block size {bs}...")
+                blocks = geometry.blocks_for_budget(kv_cache_memory, bs)
+                sweep.append(run_one(loaded, chosen[name], f"bs {bs}", "paged", True, blocks, bs))
+        out += ["", "block sizes, prefix caching on, same KV budget:", *_table(sweep)]
+    if "prefix-length" in names:
+        big = geometry.blocks_for_budget(max(kv_cache_memory, 256 * 2**20), block_size)
+        out += ["", "time to first token with a cached prefix (+16 new tokens):"]
+        out += prefix_length(loaded, big, block_size)
+    load = os.getloadavg()
+    out.append(f"load average at end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    return "\n".join(out)

@@ -59,6 +59,7 @@ class Scheduler:
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write, for the runner
         self._next_seq = 0
         self._admissions = 0
+        self.expected_output = 0.0  # mean output length of finished requests (EMA), 0: none yet
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -82,14 +83,16 @@ class Scheduler:
             budget -= len(chunk)
         rejected: list[Request] = []
         deferred: list[Request] = []
+        growth = sum(self._growth_blocks(r) for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
-            if self._prefix_in_flight(request):
+            if self.manager.enable_prefix_caching and self._prefix_in_flight(request):
                 deferred.append(self.waiting.popleft())
                 continue
-            # Headroom: every running request takes at most one block in the next
-            # block_size steps; admitting into that space only buys preemptions.
-            keep_free = max(self.watermark_blocks, len(self.running)) if self.running else 0
+            # Headroom: the blocks the running requests and this one are expected to
+            # take as they grow; admitting into that space only buys preemptions.
+            own = self._growth_blocks(request)
+            keep_free = max(self.watermark_blocks, growth + own) if self.running else 0
             try:
                 alloc = self.manager.allocate(
                     self._next_seq,
@@ -121,6 +124,7 @@ class Scheduler:
             if request.preemptions == 0:
                 request.cached_prompt_tokens = alloc.num_cached_tokens
             self.running.append(request)
+            growth += own
             end = min(len(request.tokens), request.num_computed + budget)
             chunk = request.tokens[request.num_computed : end]
             work.append(Work(request, request.num_computed, chunk))
@@ -156,8 +160,26 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = Status.FINISHED
         request.finish_reason = reason
+        if reason in ("stop", "length"):
+            n = len(request.output_ids)
+            e = self.expected_output
+            self.expected_output = float(n) if e == 0 else 0.9 * e + 0.1 * n
 
     # -- internals ---------------------------------------------------------------------
+    def _growth_blocks(self, request: Request) -> int:
+        """Blocks the request is expected to add before it ends: its output is expected
+        to reach the mean length of recently finished requests (before any has finished:
+        its max_tokens, at most 256), at least one more block, never past max_tokens."""
+        if request.reserve_tokens:  # the static policy reserved it all at admission
+            return 0
+        bs = self.manager.block_size
+        produced = len(request.tokens) - len(request.prompt_ids)
+        left = request.params.max_tokens - produced
+        expected = self.expected_output or min(request.params.max_tokens, 256)
+        remaining = min(left, max(int(expected) - produced, bs))
+        held = -(-len(request.tokens) // bs)
+        return max(0, -(-(len(request.tokens) + remaining) // bs) - held)
+
     def _prefix_in_flight(self, request: Request) -> bool:
         """A running request is still computing full blocks this one would share: wait
         (others go ahead) and hit them once written, instead of computing them twice.

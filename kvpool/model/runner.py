@@ -58,19 +58,19 @@ class ModelRunner:
         slots: list[int] = []
         q_lens = [len(c.token_ids) for c in chunks]
         ctx_lens = [c.start + len(c.token_ids) for c in chunks]
-        q_max, l_max = max(q_lens), max(ctx_lens)
+        q_max = max(q_lens)
+        n_max = -(-max(ctx_lens) // bs)
+        l_max = n_max * bs  # keys are gathered whole blocks at a time
         query_index = torch.zeros(len(chunks), q_max, dtype=torch.long)
-        context_slots = torch.zeros(len(chunks), l_max, dtype=torch.long)
+        context_blocks = torch.zeros(len(chunks), n_max, dtype=torch.long)
         offset = 0
         for b, chunk in enumerate(chunks):
-            table = torch.tensor(self.manager.block_table(chunk.seq_id), dtype=torch.long)
             ctx = ctx_lens[b]
-            pos = torch.arange(ctx)
-            seq_slots = table[pos // bs] * bs + pos % bs
-            context_slots[b, :ctx] = seq_slots
+            table = self.manager.block_table(chunk.seq_id)[: -(-ctx // bs)]
+            context_blocks[b, : len(table)] = torch.tensor(table, dtype=torch.long)
             input_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start, ctx))
-            slots.extend(seq_slots[chunk.start :].tolist())
+            slots.extend(table[p // bs] * bs + p % bs for p in range(chunk.start, ctx))
             query_index[b, : q_lens[b]] = torch.arange(offset, offset + q_lens[b])
             offset += q_lens[b]
         q_len_t = torch.tensor(q_lens)
@@ -89,7 +89,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             query_index=query_index.to(device),
             query_valid=query_valid.to(device),
-            context_slots=context_slots.to(device),
+            context_blocks=context_blocks.to(device),
             attn_mask=mask[:, None].to(device),
             last_index=last_index.to(device),
             key_valid=(j[None, :] < ctx_t[:, None]).to(device),
