@@ -10,7 +10,7 @@ longest, with a mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,21 @@ class AttentionBatch:
     last_index: torch.Tensor  # [B] flat index of each sequence's last new token
     key_valid: torch.Tensor  # [B, Nmax * block_size] bool: context position exists
     decode_only: bool  # every sequence brings exactly one new token
+    # Decode only: groups whose first blocks are shared; a member's ``context_blocks``
+    # then holds only the blocks after its group's prefix.
+    shared_prefixes: list[SharedPrefix] = field(default_factory=list)
+
+
+@dataclass
+class SharedPrefix:
+    """Decoding sequences (batch ``rows``) whose contexts start with the same physical
+    ``blocks``: attention reads those blocks once for the whole group."""
+
+    blocks: torch.Tensor  # [P] block ids
+    rows: torch.Tensor  # [n] batch rows
+
+    def to(self, device: torch.device) -> SharedPrefix:
+        return SharedPrefix(self.blocks.to(device), self.rows.to(device))
 
 
 # Products of at most this many rows use the int4 weights when a layer has them.
@@ -221,9 +236,12 @@ class LlamaModel:
             g = nh // nkv
             queries = q.view(b, nkv, g, d).transpose(0, 1).reshape(nkv * b, g, d)
             scores = torch.baddbmm(decode_bias, queries, keys.transpose(1, 2), alpha=d**-0.5)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-            out = torch.bmm(probs, values)  # [nkv * b, g, d]
-            return out.view(nkv, b, g, d).transpose(0, 1).reshape(b, nh * d)
+            if not batch.shared_prefixes:
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+                out = torch.bmm(probs, values)  # [nkv * b, g, d]
+                return out.view(nkv, b, g, d).transpose(0, 1).reshape(b, nh * d)
+            own = _partial_softmax(scores, values)
+            return self._merge_shared(q, k_cache, v_cache, blocked, batch, own)
         queries = q[batch.query_index].transpose(1, 2)  # [B, nh, Q, d]
         keys = keys.view(nkv, b, length, d).transpose(0, 1)
         values = values.view(nkv, b, length, d).transpose(0, 1)
@@ -231,6 +249,42 @@ class LlamaModel:
             queries, keys, values, attn_mask=batch.attn_mask, enable_gqa=True
         )
         return out.transpose(1, 2)[batch.query_valid].reshape(q.shape[0], nh * d)
+
+    def _merge_shared(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        blocked: tuple[int, int, int],
+        batch: AttentionBatch,
+        own: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """Decode attention of sequences that share leading blocks: each group's queries
+        attend to the shared blocks in one product (read once, not once per member), each
+        sequence to its own remaining blocks; the two softmax parts are merged exactly
+        (log-sum-exp). This is where sharing KV also saves compute and memory traffic."""
+        cfg = self.config
+        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        g = nh // nkv
+        b = q.shape[0]
+        # per (head, sequence, query head): running max, sum of exps, weighted values
+        top_all, total, acc = (t.view(nkv, b, g, -1) for t in own)
+        for group in batch.shared_prefixes:
+            n = group.rows.shape[0]
+            length = group.blocks.shape[0] * (blocked[2] // d)
+            keys = k_cache.view(blocked).index_select(1, group.blocks).view(nkv, length, d)
+            values = v_cache.view(blocked).index_select(1, group.blocks).view(nkv, length, d)
+            queries = q.index_select(0, group.rows).view(n, nkv, g, d).transpose(0, 1)
+            scores = torch.bmm(queries.reshape(nkv, n * g, d), keys.transpose(1, 2))
+            pm, pl, po = (t.view(nkv, n, g, -1) for t in _partial_softmax(scores * d**-0.5, values))
+            gm, gl, go = top_all[:, group.rows], total[:, group.rows], acc[:, group.rows]
+            top = torch.maximum(gm, pm)
+            a, c = torch.exp(gm - top), torch.exp(pm - top)
+            top_all[:, group.rows] = top
+            total[:, group.rows] = gl * a + pl * c
+            acc[:, group.rows] = go * a + po * c
+        out = (acc / total).to(q.dtype)  # [nkv, b, g, d]
+        return out.transpose(0, 1).reshape(b, nh * d)
 
     @torch.inference_mode()
     def forward(
@@ -269,3 +323,16 @@ class LlamaModel:
             x = x[batch.last_index]
         x = _rms_norm(x, self.final_norm, cfg.rms_norm_eps)
         return self.lm_head(x).float()
+
+
+def _partial_softmax(
+    scores: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax attention over part of the keys, unnormalised: (row max, sum of exps,
+    exp-weighted values), in fp32, to be merged with other parts."""
+    scores = scores.float()
+    top = scores.amax(dim=-1, keepdim=True)
+    weights = torch.exp(scores - top)
+    total = weights.sum(dim=-1, keepdim=True)
+    out = torch.bmm(weights.to(values.dtype), values).float()
+    return top, total, out

@@ -12,7 +12,7 @@ import torch
 
 from kvpool.cache import KVCacheManager, SeqId
 from kvpool.model.kv_store import PagedKVStore
-from kvpool.model.llama import AttentionBatch, LlamaModel
+from kvpool.model.llama import AttentionBatch, LlamaModel, SharedPrefix
 
 _THREADS_AT_IMPORT = torch.get_num_threads()
 
@@ -36,7 +36,12 @@ class ModelRunner:
     """
 
     def __init__(
-        self, model: LlamaModel, manager: KVCacheManager, *, single_thread_tokens: int = 8
+        self,
+        model: LlamaModel,
+        manager: KVCacheManager,
+        *,
+        single_thread_tokens: int = 8,
+        min_shared_blocks: int = 1,
     ) -> None:
         self.model = model
         self.manager = manager
@@ -46,6 +51,7 @@ class ModelRunner:
         self.single_thread_tokens = single_thread_tokens if model.device.type == "cpu" else 0
         self.max_threads = _THREADS_AT_IMPORT  # not the current count: a runner may have
         # left it at one
+        self.min_shared_blocks = min_shared_blocks
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.kv.copy_blocks(copies)
@@ -59,22 +65,34 @@ class ModelRunner:
         q_lens = [len(c.token_ids) for c in chunks]
         ctx_lens = [c.start + len(c.token_ids) for c in chunks]
         q_max = max(q_lens)
-        n_max = -(-max(ctx_lens) // bs)
+        tables = [
+            self.manager.block_table(c.seq_id)[: -(-ctx // bs)]
+            for c, ctx in zip(chunks, ctx_lens, strict=True)
+        ]
+        groups: list[SharedPrefix] = []
+        skip = [0] * len(chunks)  # leading blocks each sequence reads through its group
+        if q_max == 1 and len(chunks) > 1:
+            groups = _shared_prefixes(tables, ctx_lens, bs, self.min_shared_blocks)
+            for group in groups:
+                for row in group.rows.tolist():
+                    skip[row] = group.blocks.shape[0]
+            groups = [g.to(device) for g in groups]
+        n_max = max(len(t) - k for t, k in zip(tables, skip, strict=True))
         l_max = n_max * bs  # keys are gathered whole blocks at a time
         query_index = torch.zeros(len(chunks), q_max, dtype=torch.long)
         context_blocks = torch.zeros(len(chunks), n_max, dtype=torch.long)
         offset = 0
         for b, chunk in enumerate(chunks):
             ctx = ctx_lens[b]
-            table = self.manager.block_table(chunk.seq_id)[: -(-ctx // bs)]
-            context_blocks[b, : len(table)] = torch.tensor(table, dtype=torch.long)
+            table = tables[b]
+            context_blocks[b, : len(table) - skip[b]] = torch.tensor(table[skip[b] :])
             input_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start, ctx))
             slots.extend(table[p // bs] * bs + p % bs for p in range(chunk.start, ctx))
             query_index[b, : q_lens[b]] = torch.arange(offset, offset + q_lens[b])
             offset += q_lens[b]
         q_len_t = torch.tensor(q_lens)
-        ctx_t = torch.tensor(ctx_lens)
+        ctx_t = torch.tensor(ctx_lens) - torch.tensor(skip) * bs  # context in context_blocks
         i = torch.arange(q_max)
         j = torch.arange(l_max)
         query_valid = i[None, :] < q_len_t[:, None]
@@ -94,6 +112,7 @@ class ModelRunner:
             last_index=last_index.to(device),
             key_valid=(j[None, :] < ctx_t[:, None]).to(device),
             decode_only=q_max == 1,
+            shared_prefixes=groups,
         )
 
     def forward(self, chunks: list[SeqChunk], *, all_logits: bool = False) -> torch.Tensor:
@@ -102,3 +121,29 @@ class ModelRunner:
             small = batch.input_ids.shape[0] <= self.single_thread_tokens
             torch.set_num_threads(1 if small else self.max_threads)
         return self.model.forward(batch, self.kv, all_logits=all_logits)
+
+
+def _shared_prefixes(
+    tables: list[list[int]], ctx_lens: list[int], block_size: int, min_blocks: int
+) -> list[SharedPrefix]:
+    """Groups of decoding sequences whose block tables start with the same physical
+    blocks (a shared system prompt, the prompt of n samples): each group's common full
+    blocks, read once for all its members. A sequence's own last block is never part of
+    a group's prefix, so every member keeps at least one block of its own."""
+    by_first: dict[int, list[int]] = {}
+    for row, table in enumerate(tables):
+        by_first.setdefault(table[0], []).append(row)
+    groups = []
+    for rows in by_first.values():
+        if len(rows) < 2:
+            continue
+        limit = min((ctx_lens[r] - 1) // block_size for r in rows)  # full, not the last
+        first = tables[rows[0]]
+        shared = 0
+        while shared < limit and all(tables[r][shared] == first[shared] for r in rows):
+            shared += 1
+        if shared >= min_blocks:
+            groups.append(
+                SharedPrefix(torch.tensor(first[:shared]), torch.tensor(rows, dtype=torch.long))
+            )
+    return groups
