@@ -16,7 +16,7 @@ authors' Jinja template, rendered with the sandboxed Jinja environment.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -78,6 +78,7 @@ class Tokenizer:
     stop_ids: frozenset[int]
     chat_template: str | None
     special_ids: frozenset[int]
+    _template: Any = field(default=None, repr=False, compare=False)  # compiled, lazily
 
     @classmethod
     def from_gguf(cls, header: GGUFHeader) -> Tokenizer:
@@ -150,6 +151,19 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
     ) -> str:
         """The conversation as the model's chat template writes it."""
+        template = self._compiled_template()
+        token = self.token_text
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=token(self.bos_id) if self.bos_id is not None else "",
+            eos_token=token(self.eos_id) if self.eos_id is not None else "",
+        )
+
+    def _compiled_template(self) -> Any:
+        """The chat template compiled once (compiling costs milliseconds per request)."""
+        if self._template is not None:
+            return self._template
         if not self.chat_template:
             raise UnsupportedModel("the model has no chat template")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -160,14 +174,8 @@ class Tokenizer:
             raise ValueError(f"chat template: {message}")
 
         env.globals["raise_exception"] = raise_exception
-        template = env.from_string(self.chat_template)
-        token = self.token_text
-        return template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=token(self.bos_id) if self.bos_id is not None else "",
-            eos_token=token(self.eos_id) if self.eos_id is not None else "",
-        )
+        self._template = env.from_string(self.chat_template)
+        return self._template
 
     def encode_chat(self, messages: list[dict[str, Any]], **kw: Any) -> list[int]:
         """Token ids of a rendered conversation (the template writes BOS where it wants)."""
