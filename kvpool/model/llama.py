@@ -45,10 +45,17 @@ class SharedPrefix:
     ``blocks``: attention reads those blocks once for the whole group."""
 
     blocks: torch.Tensor  # [P] block ids
-    rows: torch.Tensor  # [n] batch rows
+    rows: torch.Tensor  # [n] batch rows, ascending
 
     def to(self, device: torch.device) -> SharedPrefix:
         return SharedPrefix(self.blocks.to(device), self.rows.to(device))
+
+    def index(self) -> slice | torch.Tensor:
+        """The rows as a slice when they are consecutive (views, no gather/scatter)."""
+        first, n = int(self.rows[0]), self.rows.shape[0]
+        if int(self.rows[-1]) - first == n - 1:
+            return slice(first, first + n)
+        return self.rows
 
 
 # Products of at most this many rows use the int4 weights when a layer has them.
@@ -236,12 +243,12 @@ class LlamaModel:
             g = nh // nkv
             queries = q.view(b, nkv, g, d).transpose(0, 1).reshape(nkv * b, g, d)
             scores = torch.baddbmm(decode_bias, queries, keys.transpose(1, 2), alpha=d**-0.5)
-            if not batch.shared_prefixes:
-                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-                out = torch.bmm(probs, values)  # [nkv * b, g, d]
-                return out.view(nkv, b, g, d).transpose(0, 1).reshape(b, nh * d)
-            own = _partial_softmax(scores, values)
-            return self._merge_shared(q, k_cache, v_cache, blocked, batch, own)
+            if batch.shared_prefixes:
+                bs = length // n_blocks
+                return self._attend_shared(queries, scores, values, k_cache, v_cache, batch, bs)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+            out = torch.bmm(probs, values)  # [nkv * b, g, d]
+            return out.view(nkv, b, g, d).transpose(0, 1).reshape(b, nh * d)
         queries = q[batch.query_index].transpose(1, 2)  # [B, nh, Q, d]
         keys = keys.view(nkv, b, length, d).transpose(0, 1)
         values = values.view(nkv, b, length, d).transpose(0, 1)
@@ -250,41 +257,47 @@ class LlamaModel:
         )
         return out.transpose(1, 2)[batch.query_valid].reshape(q.shape[0], nh * d)
 
-    def _merge_shared(
+    def _attend_shared(
         self,
-        q: torch.Tensor,
+        queries: torch.Tensor,
+        own_scores: torch.Tensor,
+        own_values: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        blocked: tuple[int, int, int],
         batch: AttentionBatch,
-        own: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        bs: int,
     ) -> torch.Tensor:
-        """Decode attention of sequences that share leading blocks: each group's queries
-        attend to the shared blocks in one product (read once, not once per member), each
-        sequence to its own remaining blocks; the two softmax parts are merged exactly
-        (log-sum-exp). This is where sharing KV also saves compute and memory traffic."""
+        """Decode attention when groups of sequences share leading blocks: each group's
+        queries score the shared blocks in one product (the blocks are read once, not
+        once per member), then one softmax runs over [shared | own] scores of every
+        sequence (-inf where a sequence has no shared part), and the two value products
+        are summed. Exact: the same softmax as attending to each sequence's blocks."""
         cfg = self.config
-        nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        g = nh // nkv
-        b = q.shape[0]
-        # per (head, sequence, query head): running max, sum of exps, weighted values
-        top_all, total, acc = (t.view(nkv, b, g, -1) for t in own)
+        nkv, d = cfg.num_kv_heads, cfg.head_dim
+        g = cfg.num_heads // nkv
+        b = own_scores.shape[0] // nkv
+        blocked = (nkv, -1, bs * d)
+        width = max(group.blocks.shape[0] for group in batch.shared_prefixes) * bs
+        shared = torch.full((nkv, b, g, width), float("-inf"), dtype=own_scores.dtype)
+        parts = []
+        q4 = queries.view(nkv, b, g, d)
         for group in batch.shared_prefixes:
-            n = group.rows.shape[0]
-            length = group.blocks.shape[0] * (blocked[2] // d)
+            rows = group.index()
+            length = group.blocks.shape[0] * bs
             keys = k_cache.view(blocked).index_select(1, group.blocks).view(nkv, length, d)
             values = v_cache.view(blocked).index_select(1, group.blocks).view(nkv, length, d)
-            queries = q.index_select(0, group.rows).view(n, nkv, g, d).transpose(0, 1)
-            scores = torch.bmm(queries.reshape(nkv, n * g, d), keys.transpose(1, 2))
-            pm, pl, po = (t.view(nkv, n, g, -1) for t in _partial_softmax(scores * d**-0.5, values))
-            gm, gl, go = top_all[:, group.rows], total[:, group.rows], acc[:, group.rows]
-            top = torch.maximum(gm, pm)
-            a, c = torch.exp(gm - top), torch.exp(pm - top)
-            top_all[:, group.rows] = top
-            total[:, group.rows] = gl * a + pl * c
-            acc[:, group.rows] = go * a + po * c
-        out = (acc / total).to(q.dtype)  # [nkv, b, g, d]
-        return out.transpose(0, 1).reshape(b, nh * d)
+            n = group.rows.shape[0]
+            scores = torch.bmm(q4[:, rows].reshape(nkv, n * g, d), keys.transpose(1, 2))
+            shared[:, rows, :, :length] = scores.view(nkv, n, g, length).mul_(d**-0.5)
+            parts.append((rows, n, length, values))
+        scores = torch.cat([shared.view(nkv * b, g, width), own_scores], dim=-1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(own_values.dtype)
+        out = torch.bmm(probs[..., width:], own_values).view(nkv, b, g, d)
+        probs4 = probs.view(nkv, b, g, width + own_scores.shape[-1])
+        for rows, n, length, values in parts:
+            weights = probs4[:, rows, :, :length].reshape(nkv, n * g, length)
+            out[:, rows] += torch.bmm(weights, values).view(nkv, n, g, d)
+        return out.transpose(0, 1).reshape(b, cfg.num_heads * d)
 
     @torch.inference_mode()
     def forward(
@@ -323,16 +336,3 @@ class LlamaModel:
             x = x[batch.last_index]
         x = _rms_norm(x, self.final_norm, cfg.rms_norm_eps)
         return self.lm_head(x).float()
-
-
-def _partial_softmax(
-    scores: torch.Tensor, values: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Softmax attention over part of the keys, unnormalised: (row max, sum of exps,
-    exp-weighted values), in fp32, to be merged with other parts."""
-    scores = scores.float()
-    top = scores.amax(dim=-1, keepdim=True)
-    weights = torch.exp(scores - top)
-    total = weights.sum(dim=-1, keepdim=True)
-    out = torch.bmm(weights.to(values.dtype), values).float()
-    return top, total, out
