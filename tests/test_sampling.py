@@ -92,3 +92,14 @@ def test_penalties():
     negative = torch.tensor([[-1.0, -1.5, -3.0]])
     # a negative logit is multiplied: -1.0 -> -2.0 falls behind -1.5
     assert Sampler().sample(negative, [p], [[0]], [[]], [None]) == [1]
+
+
+def test_a_nucleus_wider_than_the_first_candidates_is_still_exact():
+    # 1,000 tokens: the first 600 likely, the rest 100x less so. top_p=0.9 keeps about
+    # 540 tokens, more than the 256 candidates looked at first.
+    logits = torch.cat([torch.zeros(600), torch.full((400,), -4.6)])[None, :]
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=1)]
+    gens = [params[0].make_generator()]
+    sampler = Sampler(seed=0)
+    seen = {sampler.sample(logits, params, [[]], [[]], gens)[0] for _ in range(3000)}
+    assert len(seen) > 400 and max(seen) < 600  # beyond 256, never the unlikely tail

@@ -2,10 +2,12 @@
 
 ``Sampler.sample`` turns one row of logits per sequence into one token per sequence, each
 row with its own parameters, in this order: repetition / presence / frequency penalties,
-temperature (0 = greedy), top-k, top-p, min-p, then a draw. A request with a ``seed``
-draws from its own generator, created once for the request and advanced once per token,
-so its samples do not depend on what else is in the batch; requests without one share
-the sampler's generator.
+temperature (0 = greedy), top-k, top-p, min-p, then a draw. The filters look at the best
+candidates (``topk``, not a sort of the whole vocabulary, unless a nucleus is wider than
+the candidates), and the draw is an exponential race over what they keep. A request with
+a ``seed`` draws from its own generator, created once for the request, and the draws it
+makes depend on its own row only, so its samples do not depend on what else is in the
+batch; requests without one share the sampler's generator.
 """
 
 from __future__ import annotations
@@ -93,18 +95,65 @@ class Sampler:
         if not sampled_rows:
             return out
         rows = torch.tensor(sampled_rows)
-        x = logits[rows] / torch.tensor([params[i].temperature for i in sampled_rows])[:, None]
-        x = _filter(x, [params[i] for i in sampled_rows], vocab)
-        probs = torch.softmax(x, dim=-1)
-        shared = [j for j, i in enumerate(sampled_rows) if generators[i] is None]
-        if shared:
-            picks = torch.multinomial(probs[shared], 1, generator=self.generator)[:, 0]
-            for j, token in zip(shared, picks.tolist(), strict=True):
-                out[sampled_rows[j]] = token
+        chosen = [params[i] for i in sampled_rows]
+        temps = torch.tensor([p.temperature for p in chosen])[:, None]
+        probs = torch.softmax(logits[rows] / temps, dim=-1)
+        candidates = [_candidates(p, vocab) for p in chosen]
+        width = max(candidates)
+        top_p, top_i = probs.topk(width, dim=-1) if width else (probs, probs)
         for j, i in enumerate(sampled_rows):
-            if generators[i] is not None:
-                out[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]))
+            p, k = chosen[j], candidates[j]
+            if k == 0:  # no filter: the whole vocabulary
+                weights, ids = probs[j], None
+            else:
+                weights, ids = top_p[j, :k], top_i[j, :k]
+                while k < vocab and p.top_k == 0 and _needs_more(weights, p):
+                    k = min(vocab, k * 8)  # a wider nucleus: look further
+                    weights, ids = probs[j].topk(k)
+                weights = _filter_sorted(weights, p)
+            g = generators[i] or self.generator
+            # Exponential race: argmax(w / E) with E ~ Exp(1) picks token t with
+            # probability w_t / sum(w), one draw per candidate: the draws a seeded
+            # request makes depend on its own row only, not on the batch.
+            race = weights / torch.empty_like(weights).exponential_(generator=g)
+            pick = int(race.argmax())
+            out[i] = pick if ids is None else int(ids[pick])
         return out
+
+
+# Rows with top-p or min-p (and no top-k) look at this many best tokens first; a nucleus
+# that needs more looks at 8x as many, and so on up to the whole vocabulary (exact).
+NUCLEUS_CANDIDATES = 256
+
+
+def _candidates(p: SamplingParams, vocab: int) -> int:
+    """How many best tokens a row's filters may keep (0: no filter, all of them)."""
+    if 0 < p.top_k < vocab:
+        return p.top_k
+    if p.top_p < 1 or p.min_p > 0:
+        return min(NUCLEUS_CANDIDATES, vocab)
+    return 0
+
+
+def _needs_more(weights: torch.Tensor, p: SamplingParams) -> bool:
+    """Whether the best candidates may not hold every token top-p / min-p keep."""
+    nucleus_open = p.top_p < 1 and float(weights.sum()) < p.top_p
+    floor_open = p.min_p > 0 and float(weights[-1]) >= p.min_p * float(weights[0])
+    return nucleus_open or floor_open
+
+
+def _filter_sorted(weights: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Zero what top-k, top-p and min-p exclude from probabilities sorted best first
+    (the best token is always kept)."""
+    keep = torch.ones_like(weights, dtype=torch.bool)
+    if 0 < p.top_k < weights.shape[0]:
+        keep[p.top_k :] = False
+    if p.top_p < 1:  # the mass of the better tokens, in the full distribution
+        keep &= weights.cumsum(0) - weights < p.top_p
+    if p.min_p > 0:
+        keep &= weights >= p.min_p * weights[0]
+    keep[0] = True
+    return weights * keep
 
 
 def _apply_penalties(logits, params, prompt_ids, output_ids) -> None:
@@ -120,25 +169,3 @@ def _apply_penalties(logits, params, prompt_ids, output_ids) -> None:
             ids = torch.tensor(output_ids[i], dtype=torch.long)
             counts = torch.zeros(logits.shape[1]).index_add_(0, ids, torch.ones(len(ids)))
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-
-
-def _filter(x: torch.Tensor, params: Sequence[SamplingParams], vocab: int) -> torch.Tensor:
-    """Mask (-inf) what top-k, top-p and min-p exclude, row by row; keeps the best token."""
-    neg = float("-inf")
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-    top_p = torch.tensor([p.top_p for p in params])
-    min_p = torch.tensor([p.min_p for p in params])
-    if (top_k < vocab).any() or (top_p < 1).any():
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab)[None, :]
-        drop = rank >= top_k[:, None]
-        probs = torch.softmax(sorted_x, dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of the better tokens
-        drop |= before >= top_p[:, None]
-        drop[:, 0] = False
-        x = x.scatter(1, order, sorted_x.masked_fill(drop, neg))
-    if (min_p > 0).any():
-        probs = torch.softmax(x, dim=-1)
-        floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        x = x.masked_fill(probs < floor, neg)
-    return x
