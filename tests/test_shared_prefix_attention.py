@@ -20,7 +20,7 @@ def test_grouped_decode_equals_separate_decode(fp32_model):
     prompts = [system + [rng.randrange(3, 49000) for _ in range(n)] for n in (3, 17, 30, 12)]
     prompts.append([rng.randrange(3, 49000) for _ in range(40)])  # shares nothing
     manager = KVCacheManager(256, 16)
-    runner = ModelRunner(fp32_model, manager)
+    runner = ModelRunner(fp32_model, manager, min_shared_tokens=16)
     for seq, prompt in enumerate(prompts):
         alloc = manager.allocate(seq, prompt, computed=False)
         runner.forward([SeqChunk(seq, prompt[alloc.num_cached_tokens :], alloc.num_cached_tokens)])
