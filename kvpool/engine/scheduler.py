@@ -169,13 +169,18 @@ class Scheduler:
     def _growth_blocks(self, request: Request) -> int:
         """Blocks the request is expected to add before it ends: its output is expected
         to reach the mean length of recently finished requests (before any has finished:
-        its max_tokens, at most 256), at least one more block, never past max_tokens."""
+        its max_tokens, at most 256; exactly max_tokens when nothing can stop it early),
+        at least one more block, never past max_tokens."""
         if request.reserve_tokens:  # the static policy reserved it all at admission
             return 0
         bs = self.manager.block_size
         produced = len(request.tokens) - len(request.prompt_ids)
         left = request.params.max_tokens - produced
-        expected = self.expected_output or min(request.params.max_tokens, 256)
+        params = request.params
+        if params.ignore_eos and not params.stop and not params.stop_token_ids:
+            expected = params.max_tokens  # nothing can end it early: its length is known
+        else:
+            expected = self.expected_output or min(params.max_tokens, 256)
         remaining = min(left, max(int(expected) - produced, bs))
         held = -(-len(request.tokens) // bs)
         return max(0, -(-(len(request.tokens) + remaining) // bs) - held)
