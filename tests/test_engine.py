@@ -4,6 +4,7 @@ nothing in what a request generates, and no block stays in use."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -70,10 +71,11 @@ def test_small_pool_preempts_and_still_matches(fp32_model, expected):
     # 53 blocks of 4 tokens hold the three distinct prompts (195 tokens, 50 blocks) but
     # not their growth (6 blocks). Expecting short outputs (as after a run of short
     # requests), admission lets all three in with a block of headroom each; their growth
-    # then preempts the latest admitted, which resume.
+    # then preempts the latest admitted, which resume. (A stop token they never produce
+    # keeps their length unknown to admission, as for requests that may end early.)
     engine = Engine(fp32_model, num_blocks=53, block_size=4)
     engine.scheduler.expected_output = 1.0
-    results = engine.generate(prompts()[3:], GREEDY)
+    results = engine.generate(prompts()[3:], replace(GREEDY, stop_token_ids=(49151,)))
     assert [r.output_ids for r in results] == expected[3:]
     assert engine.scheduler.preemptions > 0
     assert sum(r.preemptions for r in results) == engine.scheduler.preemptions
