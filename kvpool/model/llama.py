@@ -11,6 +11,7 @@ longest, with a mask.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -187,6 +188,19 @@ class LlamaModel:
             inv_freq = inv_freq / weights.pop("rope_freqs.weight").float()
         self.inv_freq = inv_freq.to(device)
         self._buffer: torch.Tensor | None = None  # scratch for gathered K/V (_attend)
+        # > 0: the step's light ops run on one thread and only the matrix products and
+        # gathers on this many (set by the runner for large decode steps on the CPU).
+        self.heavy_threads = 0
+
+    def _heavy(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run a matrix product or a large gather on ``heavy_threads`` threads."""
+        if not self.heavy_threads:
+            return fn(*args, **kwargs)
+        torch.set_num_threads(self.heavy_threads)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(1)
 
     def _scratch(self, numel: int) -> torch.Tensor:
         """A reusable buffer of at least ``numel`` elements (grown, never shrunk)."""
@@ -231,8 +245,9 @@ class LlamaModel:
         buf = self._scratch(2 * size)  # reused: a fresh multi-MB tensor per layer costs
         # page faults on every step (measured: the gather ran 10x slower than memcpy)
         gathered = (nkv, flat.shape[0], blocked[2])
-        torch.index_select(k_cache.view(blocked), 1, flat, out=buf[:size].view(gathered))
-        torch.index_select(v_cache.view(blocked), 1, flat, out=buf[size:].view(gathered))
+        k_out, v_out = buf[:size].view(gathered), buf[size:].view(gathered)
+        self._heavy(torch.index_select, k_cache.view(blocked), 1, flat, out=k_out)
+        self._heavy(torch.index_select, v_cache.view(blocked), 1, flat, out=v_out)
         keys = buf[:size].view(nkv * b, length, d)
         values = buf[size:].view(nkv * b, length, d)
         if decode_bias is not None:
@@ -318,7 +333,7 @@ class LlamaModel:
             decode_bias.masked_fill_(~valid, float("-inf"))
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(h)
+            qkv = self._heavy(layer.qkv, h)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = q.view(n_tokens, nh, d)
             k = k.view(n_tokens, nkv, d)
@@ -328,11 +343,11 @@ class LlamaModel:
             k_cache.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
             v_cache.index_copy_(1, batch.slot_mapping, v.view(n_tokens, nkv, d).transpose(0, 1))
             out = self._attend(q, k_cache, v_cache, batch, decode_bias)
-            x = x + layer.o(out)
+            x = x + self._heavy(layer.o, out)
             h = _rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            gate, up = self._heavy(layer.gate_up, h).chunk(2, dim=-1)
+            x = x + self._heavy(layer.down, F.silu(gate) * up)
         if not all_logits:
             x = x[batch.last_index]
         x = _rms_norm(x, self.final_norm, cfg.rms_norm_eps)
-        return self.lm_head(x).float()
+        return self._heavy(self.lm_head, x).float()
