@@ -17,7 +17,14 @@ def _bench(args: argparse.Namespace) -> int:
         from kvpool.bench import engine
 
         names = tuple(args.workloads) if args.workloads else engine.ALL
-        print(engine.run(requests=args.requests, names=names, block_sizes=tuple(args.block_sizes)))
+        print(
+            engine.run(
+                requests=args.requests,
+                names=names,
+                block_sizes=tuple(args.block_sizes),
+                plot=args.plot,
+            )
+        )
         return 0
     if args.what == "serve":
         from kvpool.bench import serve
@@ -124,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--kv-cache-memory", type=int, default=256, metavar="MiB")
     bench.add_argument("--model", default=None, help="serve: model name (default: the first)")
     bench.add_argument("--api-key", default=None)
+    bench.add_argument("--plot", default=None, metavar="PNG", help="engine: occupancy plot")
     bench.set_defaults(func=_bench)
 
     simulate = sub.add_parser(

@@ -24,7 +24,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpool.engine.engine import Engine
 from kvpool.engine.request import Request
@@ -80,6 +80,8 @@ class Row:
     max_running: int
     preemptions: int
     waste: float  # mean share of used slots holding no token (internal fragmentation)
+    # per step: (seconds since start, requests running, blocks in use, blocks cached)
+    series: list[tuple[float, int, int, int]] = field(default_factory=list, repr=False)
 
 
 CONFIGS = (
@@ -119,6 +121,7 @@ def run_one(loaded: LoadedModel, w: Workload, label: str, policy: str, prefix: b
         send(c, 0, [])
     peak = max_running = steps = 0
     waste = 0.0
+    series: list[tuple[float, int, int, int]] = []
     while engine.has_work():
         for r in engine.step():
             if r.output_ids and r.request_id not in first:
@@ -129,6 +132,10 @@ def run_one(loaded: LoadedModel, w: Workload, label: str, policy: str, prefix: b
                 if turn < len(w.conversations[conv]):
                     send(conv, turn, r.tokens)
         stats = engine.manager.stats()
+        running = len(engine.scheduler.running)
+        series.append(
+            (time.perf_counter() - start, running, stats.used_blocks, stats.cached_blocks)
+        )
         peak = max(peak, stats.used_blocks)
         max_running = max(max_running, len(engine.scheduler.running))
         if stats.used_blocks:
@@ -141,7 +148,7 @@ def run_one(loaded: LoadedModel, w: Workload, label: str, policy: str, prefix: b
         w.name, label, wall, sum(len(r.output_ids) for r in done) / wall,
         sum(len(r.prompt_ids) for r in done) - cached, cached,
         statistics.median(ttft), ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
-        peak, max_running, engine.scheduler.preemptions, waste / max(steps, 1),
+        peak, max_running, engine.scheduler.preemptions, waste / max(steps, 1), series,
     )  # fmt: skip
 
 
@@ -204,6 +211,7 @@ def run(
     requests: int = 64,
     names: tuple[str, ...] = ALL,
     block_sizes: tuple[int, ...] = (16, 64, 256),
+    plot: str | None = None,
 ) -> str:
     loaded = load_model(None, progress=False)
     geometry = loaded.config.kv_geometry(loaded.model.dtype.itemsize)
@@ -226,6 +234,8 @@ def run(
             )
     if rows:
         out += _table(rows)
+        if plot:
+            out.append(f"plot: {plot_occupancy(rows, plot, num_blocks)}")
     if "block-size" in names:
         sweep = []
         for name in ("shared-prefix", "distinct"):
@@ -241,3 +251,30 @@ def run(
     load = os.getloadavg()
     out.append(f"load average at end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     return "\n".join(out)
+
+
+def plot_occupancy(rows: list[Row], path: str, num_blocks: int) -> str:
+    """Requests running and blocks in use over time, one panel per workload, one line
+    per configuration: where paged blocks and sharing let more requests run at once."""
+    from kvpool.sim.report import _pyplot
+
+    plt = _pyplot()
+    workloads = list(dict.fromkeys(r.workload for r in rows))
+    fig, axes = plt.subplots(2, len(workloads), figsize=(5 * len(workloads), 7), squeeze=False)
+    for col, name in enumerate(workloads):
+        top, bottom = axes[0][col], axes[1][col]
+        for r in (r for r in rows if r.workload == name):
+            t = [p[0] for p in r.series]
+            top.plot(t, [p[1] for p in r.series], label=r.config, linewidth=1)
+            bottom.plot(t, [p[2] for p in r.series], label=r.config, linewidth=1)
+        bottom.axhline(num_blocks, color="black", linewidth=0.8, label="pool")
+        top.set_title(name)
+        top.set_ylabel("requests running")
+        bottom.set_ylabel("blocks in use")
+        bottom.set_xlabel("seconds")
+        top.legend(fontsize=8)
+        bottom.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

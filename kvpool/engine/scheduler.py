@@ -9,7 +9,7 @@ tokens when nothing can stop it early, otherwise the mean length of recently fin
 outputs; at least one more block), not a fixed reservation per request. Admitting on
 the prompt alone filled the pool and the next steps' growth preempted what was just
 admitted (``distinct`` workload: 26 running, 14 preemptions, 17% slower than static
-slots; with the expected growth kept free: 17 running, none, 4% faster than static). When a
+slots; with the expected growth kept free: 17 running, none, on par with static). When a
 running request needs a block and none is free, the most recently admitted request is
 preempted: its computed blocks go to the cache, and it waits at the head of the queue to
 be prefilled again (mostly cache hits).
