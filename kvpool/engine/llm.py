@@ -16,6 +16,7 @@ from kvpool.cache import CacheStats
 from kvpool.engine.engine import Engine
 from kvpool.engine.request import Request, Status
 from kvpool.engine.sampling import SamplingParams
+from kvpool.engine.text_stream import TextStream
 from kvpool.model.loader import load_model
 
 Prompt = str | Sequence[int]
@@ -90,15 +91,13 @@ class LLM:
         the iteration early cancels the request and frees its blocks."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request = self.engine.add_request(ids, params or SamplingParams())
-        sent = ""
+        texts: dict[str, TextStream] = {}
         try:
             while request.status is not Status.FINISHED:
-                self.engine.step()
-                self._check_stop_strings(request)
-                text = self._text(request)
-                if len(text) > len(sent) and not text.endswith("\ufffd"):
-                    yield text[len(sent) :]
-                    sent = text
+                for progressed in self.engine.step():
+                    piece = self._advance(progressed, texts)
+                    if progressed is request and piece:
+                        yield piece
         finally:
             self.engine.cancel(request.request_id)
 
@@ -122,29 +121,37 @@ class LLM:
     def _run(self, ids: list[list[int]], params: SamplingParams) -> list[CompletionOutput]:
         """Outputs in prompt order; with ``n > 1``, the n samples of each prompt in turn."""
         requests = [self.engine.add_request(p, params) for p in ids]
+        texts: dict[str, TextStream] = {}
         while any(s.status is not Status.FINISHED for r in requests for s in r.siblings):
             for request in self.engine.step():
-                self._check_stop_strings(request)
-        return [self._output(s) for r in requests for s in r.siblings]
+                self._advance(request, texts)
+        return [self._output(s, texts) for r in requests for s in r.siblings]
 
-    def _check_stop_strings(self, request: Request) -> None:
-        if request.params.stop and request.status is not Status.FINISHED:
-            text = self.tokenizer.decode(request.output_ids)
-            if any(s in text for s in request.params.stop):
-                self.engine.cancel(request.request_id)
-                request.finish_reason = "stop"
+    def _advance(self, request: Request, texts: dict[str, TextStream]) -> str:
+        """The request's new text after a step (``TextStream``: stop strings never
+        released); a stop string ends the request at once, freeing its blocks."""
+        stream = texts.get(request.request_id)
+        if stream is None:
+            stream = texts[request.request_id] = TextStream(
+                self.tokenizer.decode, request.params.stop
+            )
+        finished = request.status is Status.FINISHED
+        piece = stream.update(request.output_ids, final=finished)
+        if stream.stopped and not finished:
+            self.engine.cancel(request.request_id)
+            request.finish_reason = "stop"
+        return piece
 
-    def _text(self, request: Request) -> str:
-        text = self.tokenizer.decode(request.output_ids)
-        cut = [text.find(s) for s in request.params.stop if s in text]
-        return text[: min(cut)] if cut else text
-
-    def _output(self, request: Request) -> CompletionOutput:
+    def _output(self, request: Request, texts: dict[str, TextStream]) -> CompletionOutput:
+        stream = texts.get(request.request_id)
+        if stream is None:  # never progressed (refused before its first token)
+            stream = TextStream(self.tokenizer.decode, request.params.stop)
+            stream.update(request.output_ids, final=True)
         return CompletionOutput(
             request_id=request.request_id,
             prompt_token_ids=list(request.prompt_ids),
             token_ids=request.output_ids,
-            text=self._text(request),
+            text=stream.sent,
             finish_reason=request.finish_reason,
             cached_prompt_tokens=request.cached_prompt_tokens,
         )
