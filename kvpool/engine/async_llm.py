@@ -76,7 +76,7 @@ class _Stream:
     texts: dict[int, TextStream] = field(default_factory=dict)
     sent_tokens: dict[int, int] = field(default_factory=dict)
     open_samples: int = 1
-    pin: bool = False  # a pin_prefix request: pin the prompt when it ends
+    pin: str | None = None  # a pin_prefix request ("own" or "shared"): pin when it ends
 
     def put(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -158,18 +158,30 @@ class AsyncLLM:
     ) -> RequestStream:
         """Queue a request; raises the engine's ``RequestError`` (nothing allocated) if it
         is refused. Iterate the returned stream for its deltas."""
-        loop = asyncio.get_running_loop()
-        deltas: asyncio.Queue[Any] = asyncio.Queue()
         request_id = request_id or f"r{next(self._ids)}"
-        ids = list(prompt_ids)
+        deltas = await self._enqueue(list(prompt_ids), params, salt, request_id)
+        return RequestStream(self, request_id, len(prompt_ids), deltas)
 
-        def submit() -> int:
+    async def _enqueue(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        salt: str | None,
+        request_id: str,
+        pin: str | None = None,
+    ) -> asyncio.Queue[Any]:
+        """Add the request on the engine thread; the queue its results will arrive on."""
+        loop = asyncio.get_running_loop()
+        results: asyncio.Queue[Any] = asyncio.Queue()
+
+        def add() -> None:
             request = self.engine.add_request(ids, params, request_id=request_id, salt=salt)
-            self._streams[request_id] = _Stream(request, loop, deltas, open_samples=params.n)
-            return request.public_tokens
+            self._streams[request_id] = _Stream(
+                request, loop, results, open_samples=params.n, pin=pin
+            )
 
-        await self._call(submit)
-        return RequestStream(self, request_id, len(ids), deltas)
+        await self._call(add)
+        return results
 
     async def generate(
         self,
@@ -198,26 +210,20 @@ class AsyncLLM:
         """Compute a prefix once (if it is not cached) and pin its full blocks; returns
         the number of tokens pinned. ``shared``: pinned for every tenant (no salt), and
         salted requests that start with it share its blocks."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Queue[Any] = asyncio.Queue()
-        request_id = f"pin{next(self._ids)}"
-        ids = list(prompt_ids)
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        salt = None if shared else salt
-
-        def submit() -> None:
-            request = self.engine.add_request(ids, params, request_id=request_id, salt=salt)
-            self._streams[request_id] = _Stream(request, loop, done, pin=True)
-
-        await self._call(submit)
-        while True:
-            item = await done.get()
-            if isinstance(item, BaseException):
-                raise item
-            if isinstance(item, int):
-                if shared and item:
-                    await self._call(lambda: self.engine.shared_prefixes.add(tuple(ids)))
-                return item
+        done = await self._enqueue(
+            list(prompt_ids),
+            params,
+            None if shared else salt,
+            f"pin{next(self._ids)}",
+            pin="shared" if shared else "own",
+        )
+        item = await done.get()  # the pinned token count, or the error
+        if isinstance(item, BaseException):
+            raise item
+        if item is None:
+            raise EngineStopped("the pin request was cancelled")
+        return item
 
     async def unpin_prefix(
         self, prompt_ids: Sequence[int], *, salt: str | None = None, shared: bool = False
@@ -342,7 +348,10 @@ class AsyncLLM:
         step in between, so nothing can have evicted them)."""
         del self._streams[request.request_id]
         try:
-            stream.put(self.engine.manager.pin(request.prompt_ids, request.salt))
+            pinned = self.engine.manager.pin(request.prompt_ids, request.salt)
+            if stream.pin == "shared" and pinned:
+                self.engine.shared_prefixes.add(tuple(request.prompt_ids))
+            stream.put(pinned)
         except Exception as exc:
             stream.put(exc)
 

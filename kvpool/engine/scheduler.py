@@ -85,7 +85,7 @@ class Scheduler:
             budget -= len(chunk)
         rejected: list[Request] = []
         deferred: list[Request] = []
-        growth = sum(self._growth_blocks(r) for r in self.running)
+        growth = sum(self._growth_blocks(r) for r in self.running) if self.waiting else 0
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             request = self.waiting[0]
             if self.manager.enable_prefix_caching and self._prefix_in_flight(request):

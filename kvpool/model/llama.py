@@ -47,16 +47,17 @@ class SharedPrefix:
 
     blocks: torch.Tensor  # [P] block ids
     rows: torch.Tensor  # [n] batch rows, ascending
+    # The rows as a slice when they are consecutive (views, no gather/scatter); set once
+    # here rather than in every layer.
+    select: slice | torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        first, n = int(self.rows[0]), self.rows.shape[0]
+        consecutive = int(self.rows[-1]) - first == n - 1
+        self.select = slice(first, first + n) if consecutive else self.rows
 
     def to(self, device: torch.device) -> SharedPrefix:
         return SharedPrefix(self.blocks.to(device), self.rows.to(device))
-
-    def index(self) -> slice | torch.Tensor:
-        """The rows as a slice when they are consecutive (views, no gather/scatter)."""
-        first, n = int(self.rows[0]), self.rows.shape[0]
-        if int(self.rows[-1]) - first == n - 1:
-            return slice(first, first + n)
-        return self.rows
 
 
 # Products of at most this many rows use the int4 weights when a layer has them.
@@ -297,7 +298,7 @@ class LlamaModel:
         parts = []
         q4 = queries.view(nkv, b, g, d)
         for group in batch.shared_prefixes:
-            rows = group.index()
+            rows = group.select
             length = group.blocks.shape[0] * bs
             keys = k_cache.view(blocked).index_select(1, group.blocks).view(nkv, length, d)
             values = v_cache.view(blocked).index_select(1, group.blocks).view(nkv, length, d)
