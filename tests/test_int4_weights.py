@@ -45,3 +45,28 @@ def test_bf16_with_int4_agrees_with_fp32_on_the_default_model(fp32_model):
         logits = runner.forward([SeqChunk("s", prompt[-1:], len(prompt) - 1)])  # int4
         tops.append(logits[0].topk(3).indices.tolist())
     assert tops[0][0] == tops[1][0]
+
+
+def test_bf16_decode_attention_in_fp32_agrees_with_bf16_products(monkeypatch):
+    """Short decode steps compute attention in fp32 on the CPU (fewer fixed costs): the
+    logits stay those of the bf16 products, within bf16's rounding."""
+    from kvpool.cache import KVCacheManager
+    from kvpool.model import llama
+    from kvpool.model.loader import load_model
+    from kvpool.model.runner import ModelRunner, SeqChunk
+
+    model = load_model(None, dtype="bfloat16", progress=False, int4=False).model
+    prompt = [(37 * i) % 40000 + 3 for i in range(120)]
+
+    def decode_logits() -> torch.Tensor:
+        runner = ModelRunner(model, KVCacheManager(64, 16))
+        runner.manager.allocate("s", prompt)
+        runner.forward([SeqChunk("s", prompt[:-1], 0)])
+        return runner.forward([SeqChunk("s", prompt[-1:], len(prompt) - 1)])[0]
+
+    fp32_attention = decode_logits()  # 128 keys: within FP32_ATTENTION_MAX_KEYS
+    monkeypatch.setattr(llama, "FP32_ATTENTION_MAX_KEYS", 0)
+    bf16_attention = decode_logits()
+    assert fp32_attention.argmax() == bf16_attention.argmax()
+    assert (fp32_attention - bf16_attention).abs().max() < 0.02 * bf16_attention.abs().max()
+    assert not torch.equal(fp32_attention, bf16_attention)  # the two paths really ran

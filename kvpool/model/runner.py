@@ -29,12 +29,13 @@ class SeqChunk:
 class ModelRunner:
     """Runs steps of the model over sequences held by ``manager``.
 
-    On the CPU, steps of at most ``single_thread_tokens`` tokens run on one thread: with
-    the passive OpenMP wait policy (see ``kvpool.model``), waking the second thread costs
-    more than it brings for such small ops (measured: decode at batch 1 26 -> 30 tokens/s,
-    batch 8 171 -> 195), and one thread also stays fast when other work shares the cores.
-    Larger decode steps run only their matrix products and gathers on all threads and
-    the many small ops around them on one (batch 32, 100-token context: 71.5 -> 67.8 ms).
+    Threads on the CPU (with the passive OpenMP wait policy, see ``kvpool.model``): a
+    decode step, or any step of at most ``single_thread_tokens`` tokens, runs its matrix
+    products and large gathers on all threads and the many small ops around them on
+    one, where waking the second thread for each costs more than it brings (measured,
+    2 cores: batch 1 21.0 -> 17.2 ms a step against one thread for everything, batch 8
+    44.1 -> 32.0 ms, batch 32 at 100 tokens of context 71.5 -> 67.8 ms against all
+    threads for everything). Larger prefill steps run everything on all threads.
     """
 
     def __init__(
@@ -125,9 +126,9 @@ class ModelRunner:
         self.model.heavy_threads = 0
         if self.single_thread_tokens:
             small = batch.input_ids.shape[0] <= self.single_thread_tokens
-            split = not small and batch.decode_only and self.max_threads > 1
-            torch.set_num_threads(1 if small or split else self.max_threads)
-            if split:  # matrix products and gathers on all threads, the rest on one
+            split = small or batch.decode_only
+            torch.set_num_threads(1 if split else self.max_threads)
+            if split and self.max_threads > 1:  # products and gathers on all threads
                 self.model.heavy_threads = self.max_threads
         return self.model.forward(batch, self.kv, all_logits=all_logits)
 
