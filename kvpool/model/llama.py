@@ -66,6 +66,12 @@ INT4_MAX_ROWS = 4
 # attention in fp32 on the CPU (measured, 2 cores, one sequence: 128 keys 57 -> 33 us a
 # layer, 384 on par, 512 and any larger batch slower).
 FP32_ATTENTION_MAX_KEYS = 256
+# Gathers of fewer elements (per K or V) run on one thread even in a split step.
+PARALLEL_GATHER_MIN = 1 << 16
+
+
+def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
 
 
 class Linear:
@@ -260,8 +266,10 @@ class LlamaModel:
         # page faults on every step (measured: the gather ran 10x slower than memcpy)
         gathered = (nkv, flat.shape[0], blocked[2])
         k_out, v_out = buf[:size].view(gathered), buf[size:].view(gathered)
-        self._heavy(torch.index_select, k_cache.view(blocked), 1, flat, out=k_out)
-        self._heavy(torch.index_select, v_cache.view(blocked), 1, flat, out=v_out)
+        # Small gathers stay on the current thread: waking another costs more.
+        gather = self._heavy if size >= PARALLEL_GATHER_MIN else _call
+        gather(torch.index_select, k_cache.view(blocked), 1, flat, out=k_out)
+        gather(torch.index_select, v_cache.view(blocked), 1, flat, out=v_out)
         keys = buf[:size].view(nkv * b, length, d)
         values = buf[size:].view(nkv * b, length, d)
         if decode_bias is not None:

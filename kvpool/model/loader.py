@@ -7,6 +7,7 @@ batch 1 and 1.3x at batch 32 than fp32, on AMX); ``float32`` gives exact compari
 
 from __future__ import annotations
 
+import ctypes
 import sys
 import time
 from dataclasses import dataclass
@@ -81,6 +82,19 @@ class LoadedModel:
         return "\n".join(lines)
 
 
+def _return_freed_memory() -> None:
+    """Hand the heap pages freed by loading (the dequantized fp32 tensors, the plain
+    copies of prepacked weights) back to the OS. glibc keeps them otherwise: measured on
+    the default model, resident memory after loading 784 -> 632 MiB, and the peak of
+    ``kvpool bench model`` 1012 -> 896 MiB. A no-op where the C library has no
+    ``malloc_trim``."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return
+    trim(0)
+
+
 def load_model(
     name: str | None = None,
     *,
@@ -113,7 +127,8 @@ def load_model(
         if bar:
             bar.__exit__()
     model = LlamaModel(config, weights, dev, torch_dtype, int4_weights)
-    del weights
+    del weights, int4_weights
+    _return_freed_memory()
     loaded = LoadedModel(path, config, model, tokenizer, time.perf_counter() - start)
     if progress:
         print(loaded.describe(), file=sys.stderr)
