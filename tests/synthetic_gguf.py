@@ -26,9 +26,15 @@ def _k_quant_bytes(rows: int, cols: int, qname: str, rng: np.random.Generator) -
     return blocks.reshape(rows, cols // 256 * size)
 
 
-def write_model(path: Path, arch: str, qtypes: dict[str, str], seed: int = 0) -> Path:
+def write_model(
+    path: Path,
+    arch: str,
+    qtypes: dict[str, str],
+    seed: int = 0,
+    extra: dict[str, np.ndarray] | None = None,
+) -> Path:
     """Write a tiny model; ``qtypes`` maps a tensor-name suffix (``attn_q.weight``...) to
-    a ggml type name; the rest is F32."""
+    a ggml type name; the rest is F32. ``extra``: more tensors, written as given."""
     import gguf
     from gguf.quants import quantize
 
@@ -91,6 +97,8 @@ def write_model(path: Path, arch: str, qtypes: dict[str, str], seed: int = 0) ->
         else:
             qtype = gguf.GGMLQuantizationType[qname]
             writer.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+    for name, data in (extra or {}).items():
+        writer.add_tensor(name, data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

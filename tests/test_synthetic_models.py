@@ -52,3 +52,54 @@ def test_random_model_matches_reference(tmp_path: Path, arch: str, mix: str):
         ref = reference(torch.tensor([prompt])).logits[0].float()
     assert ref.abs().max() > 1.0  # the comparison is not between near-zero logits
     assert (ours - ref).abs().max().item() < 1e-3
+
+
+def _llama3_rope_factors(head_dim: int, base: float, scaling: dict[str, float]):
+    """``rope_freqs.weight`` as llama.cpp's converter writes it for a Llama-3.1 model: the
+    factor each rotary frequency is divided by (1 for short wavelengths, ``factor`` for
+    long ones, a smooth blend between)."""
+    import numpy as np
+
+    freqs = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    old, low, high = (scaling[k] for k in ("original_max_position_embeddings",
+                                          "low_freq_factor", "high_freq_factor"))  # fmt: skip
+    smooth = (old / wavelen - low) / (high - low)
+    blend = 1 / ((1 - smooth) / scaling["factor"] + smooth)
+    factors = np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low,
+                       scaling["factor"], blend))  # fmt: skip
+    return factors.astype(np.float32)
+
+
+def test_llama3_rope_scaling_matches_reference(tmp_path: Path):
+    """A ``rope_freqs`` tensor (Llama 3.1 / 3.2 files) scales the rotary frequencies as
+    transformers' ``llama3`` rope type does. transformers' GGUF loader ignores the tensor,
+    so the reference is its model rebuilt with that rope type and the same weights."""
+    from tests.synthetic_gguf import HEADS, HIDDEN
+
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # fmt: skip
+    factors = _llama3_rope_factors(HIDDEN // HEADS, 10000.0, scaling)
+    assert 1.0 < factors.mean() < 8.0  # the test scales some frequencies, not all or none
+    path = write_model(tmp_path / "llama3.gguf", "llama", {}, extra={"rope_freqs.weight": factors})
+    plain = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32
+    )
+    config = plain.config
+    config.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, **scaling}
+    reference = transformers.LlamaForCausalLM(config).to(torch.float32).eval()
+    reference.load_state_dict(plain.state_dict())
+
+    config_ours, weights = load_gguf_weights(path)
+    runner = ModelRunner(
+        LlamaModel(config_ours, weights, torch.device("cpu"), torch.float32),
+        KVCacheManager(32, 16),
+    )
+    prompt = [(11 * i + 5) % 500 for i in range(120)]
+    runner.manager.allocate("s", prompt)
+    ours = runner.forward([SeqChunk("s", prompt, 0)], all_logits=True)
+    with torch.inference_mode():
+        want = reference(torch.tensor([prompt])).logits[0].float()
+        unscaled = plain(torch.tensor([prompt])).logits[0].float()
+    assert (ours - want).abs().max().item() < 1e-3
+    assert (ours - unscaled).abs().max().item() > 1e-2  # the scaling is really applied
