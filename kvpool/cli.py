@@ -45,7 +45,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.what == "model":
         from kvpool.bench import model
 
-        print(model.run(args.dtype))
+        print(model.run(args.dtype, args.rounds))
         return 0
     raise AssertionError(args.what)
 
@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
         "serve: shared-prefix distinct chat (default: all)",
     )  # fmt: skip
     bench.add_argument("--kv-cache-memory", type=int, default=256, metavar="MiB")
+    bench.add_argument(
+        "--rounds", type=int, default=3, help="model: alternating rounds of both sides"
+    )
     bench.add_argument("--model", default=None, help="serve: model name (default: the first)")
     bench.add_argument("--api-key", default=None)
     bench.add_argument("--plot", default=None, metavar="PNG", help="engine: occupancy plot")

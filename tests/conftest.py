@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported anywhere
+# Tests run servers and clients side by side on few cores: OpenMP workers that never spin
+# cost the least there (set before torch is imported anywhere; kvpool then keeps it).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 

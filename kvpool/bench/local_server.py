@@ -17,7 +17,7 @@ import httpx
 class LocalServer:
     def __init__(self, *args: str, timeout: float = 180) -> None:
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("KVPOOL_HOST", None)
         command = [sys.executable, "-m", "kvpool.cli", "serve", "--host", "127.0.0.1"]
         self.proc = subprocess.Popen(

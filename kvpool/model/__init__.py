@@ -1,11 +1,6 @@
 """kvpool.model: the PyTorch runtime for LLaMA-family models read from GGUF files.
 
 It owns the physical KV tensors and runs prefill and decode through the block tables
-that ``kvpool.cache`` hands out.
+that ``kvpool.cache`` hands out. OpenMP's settings are made in ``kvpool/__init__.py``
+(before torch loads); how each step uses the threads, in ``kvpool.model.threads``.
 """
-
-import os
-
-# With OpenMP's default (active) wait policy, torch's threads spin against each other when
-# anything else runs and small ops slow down tenfold; this must be set before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

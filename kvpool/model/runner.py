@@ -6,13 +6,16 @@ the model. It owns the ``PagedKVStore``, sized from the manager's pool once.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from kvpool.cache import KVCacheManager, SeqId
 from kvpool.model.kv_store import PagedKVStore
 from kvpool.model.llama import AttentionBatch, LlamaModel, SharedPrefix
+from kvpool.model.threads import Mode, ThreadPolicy
 
 _THREADS_AT_IMPORT = torch.get_num_threads()
 
@@ -29,13 +32,8 @@ class SeqChunk:
 class ModelRunner:
     """Runs steps of the model over sequences held by ``manager``.
 
-    Threads on the CPU (with the passive OpenMP wait policy, see ``kvpool.model``): a
-    decode step, or any step of at most ``single_thread_tokens`` tokens, runs its matrix
-    products and large gathers on all threads and the many small ops around them on
-    one, where waking the second thread for each costs more than it brings (measured,
-    2 cores: batch 1 21.0 -> 17.2 ms a step against one thread for everything, batch 8
-    44.1 -> 32.0 ms, batch 32 at 100 tokens of context 71.5 -> 67.8 ms against all
-    threads for everything). Larger prefill steps run everything on all threads.
+    On the CPU a ``ThreadPolicy`` decides, by measuring, how each step uses the threads
+    (see ``kvpool.model.threads``); ``threads=None`` leaves torch's setting alone.
     """
 
     def __init__(
@@ -43,7 +41,7 @@ class ModelRunner:
         model: LlamaModel,
         manager: KVCacheManager,
         *,
-        single_thread_tokens: int = 8,
+        threads: ThreadPolicy | Literal["auto"] | None = "auto",
         min_shared_tokens: int = 256,
     ) -> None:
         self.model = model
@@ -51,9 +49,11 @@ class ModelRunner:
         self.kv = PagedKVStore(
             model.config, manager.num_blocks, manager.block_size, model.dtype, model.device
         )
-        self.single_thread_tokens = single_thread_tokens if model.device.type == "cpu" else 0
-        self.max_threads = _THREADS_AT_IMPORT  # not the current count: a runner may have
-        # left it at one
+        if threads == "auto":
+            # the count at import, not the current one: a runner may have left it at one
+            cpu = model.device.type == "cpu"
+            threads = ThreadPolicy(_THREADS_AT_IMPORT) if cpu else None
+        self.threads: ThreadPolicy | None = threads
         # Decode reads a prefix shared by several sequences once per group only when it
         # is this long: below, the extra ops cost more than the gathers they save
         # (batch 32: 256 shared of 320 tokens, par; 600 of 640, 151 -> 101 ms a step).
@@ -123,14 +123,16 @@ class ModelRunner:
 
     def forward(self, chunks: list[SeqChunk], *, all_logits: bool = False) -> torch.Tensor:
         batch = self.build_batch(chunks)
-        self.model.heavy_threads = 0
-        if self.single_thread_tokens:
-            small = batch.input_ids.shape[0] <= self.single_thread_tokens
-            split = small or batch.decode_only
-            torch.set_num_threads(1 if split else self.max_threads)
-            if split and self.max_threads > 1:  # products and gathers on all threads
-                self.model.heavy_threads = self.max_threads
-        return self.model.forward(batch, self.kv, all_logits=all_logits)
+        if self.threads is None:
+            return self.model.forward(batch, self.kv, all_logits=all_logits)
+        mode = self.threads.choose(batch.input_ids.shape[0], batch.decode_only)
+        n = self.threads.max_threads
+        torch.set_num_threads(n if mode is Mode.ALL else 1)
+        self.model.heavy_threads = n if mode is Mode.SPLIT else 0
+        start = time.perf_counter()
+        logits = self.model.forward(batch, self.kv, all_logits=all_logits)
+        self.threads.record(time.perf_counter() - start)
+        return logits
 
 
 def _shared_prefixes(

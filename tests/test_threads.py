@@ -1,0 +1,91 @@
+"""ThreadPolicy: how a step uses the CPU's threads, chosen by measured step times."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.model.threads import Mode, ThreadPolicy
+
+
+def _run(policy: ThreadPolicy, cost: dict[Mode, float], steps: int, tokens: int = 1):
+    """Steps whose time per token in each mode is ``cost``; the modes chosen."""
+    chosen = []
+    for _ in range(steps):
+        mode = policy.choose(tokens, decode_only=True)
+        policy.record(cost[mode] * tokens)
+        chosen.append(mode)
+    return chosen
+
+
+def test_one_thread_always_runs_one():
+    policy = ThreadPolicy(1)
+    assert {policy.choose(t, d) for t in (1, 8, 512) for d in (True, False)} == {Mode.ONE}
+
+
+def test_settles_on_the_faster_mode_and_keeps_checking_the_other():
+    policy = ThreadPolicy(2, explore_every=16)
+    chosen = _run(policy, {Mode.SPLIT: 0.013, Mode.ONE: 0.017}, 100)
+    settled = chosen[8:]
+    assert settled.count(Mode.SPLIT) > 0.9 * len(settled)
+    assert Mode.ONE in settled  # explored now and then
+
+
+def test_follows_the_machine_getting_busy_and_idle_again():
+    policy = ThreadPolicy(2, explore_every=16)
+    idle = {Mode.SPLIT: 0.013, Mode.ONE: 0.017}
+    busy = {Mode.SPLIT: 0.073, Mode.ONE: 0.0175}  # measured: another process on a core
+    _run(policy, idle, 50)
+    chosen = _run(policy, busy, 50)
+    assert chosen[5:].count(Mode.ONE) > 0.9 * len(chosen[5:])  # switched within a step
+    chosen = _run(policy, idle, 100)
+    assert chosen[40:].count(Mode.SPLIT) > 0.9 * len(chosen[40:])  # and back
+
+
+def test_large_prefill_chooses_between_all_threads_and_one():
+    policy = ThreadPolicy(2)
+    modes = set()
+    for _ in range(10):
+        modes.add(policy.choose(512, decode_only=False))
+        policy.record(0.5)
+    assert modes == {Mode.ALL, Mode.ONE}
+    assert policy.choose(4, decode_only=False) in (Mode.SPLIT, Mode.ONE)  # small step
+
+
+def test_step_kinds_are_measured_apart():
+    policy = ThreadPolicy(2, explore_every=1000)
+    for _ in range(20):  # batch 1: one thread is faster
+        mode = policy.choose(1, decode_only=True)
+        policy.record({Mode.SPLIT: 0.02, Mode.ONE: 0.01}[mode])
+        mode = policy.choose(32, decode_only=True)  # batch 32: split is faster
+        policy.record({Mode.SPLIT: 0.06, Mode.ONE: 0.09}[mode])
+    assert policy.choose(1, decode_only=True) is Mode.ONE
+    policy.record(0.01)
+    assert policy.choose(32, decode_only=True) is Mode.SPLIT
+
+
+def test_modes_give_bit_identical_logits(fp32_model):
+    """Switching modes can never change a token: every op computes the same values on
+    one thread or several."""
+    torch = pytest.importorskip("torch")
+    from kvpool.cache import KVCacheManager
+    from kvpool.model.runner import ModelRunner, SeqChunk
+
+    class Fixed(ThreadPolicy):
+        mode = Mode.ONE
+
+        def choose(self, tokens: int, decode_only: bool) -> Mode:
+            return self.mode
+
+    policy = Fixed(2)
+    runner = ModelRunner(fp32_model, KVCacheManager(128, 16), threads=policy)
+    prompts = [[(7 * i + 31 * b) % 40000 + 3 for i in range(40 + 9 * b)] for b in range(8)]
+    for b, p in enumerate(prompts):
+        runner.manager.allocate(b, p)
+    results = {}
+    for mode in Mode:
+        policy.mode = mode
+        prefill = runner.forward([SeqChunk(b, p[:-1], 0) for b, p in enumerate(prompts)])
+        decode = runner.forward([SeqChunk(b, p[-1:], len(p) - 1) for b, p in enumerate(prompts)])
+        results[mode] = (prefill, decode)
+    for mode in (Mode.SPLIT, Mode.ALL):
+        assert all(torch.equal(a, b) for a, b in zip(results[Mode.ONE], results[mode], strict=True))
