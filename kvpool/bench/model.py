@@ -2,8 +2,9 @@
 machine, same dtype, each side in its own process (so peak memory is its own).
 
 Figures: load time; prefill tokens/s for a 512-token prompt; decode tokens/s at batch 1, 8
-and 32 (100-token prompts, time of N+1 generated tokens minus time of 1, so prefill is
-not counted); peak resident memory of the process.
+and 32 (100-token prompts, the time of the N decode steps after the first token, so
+prefill is not counted: for transformers, whose ``generate()`` does both, the time of
+N+1 generated tokens minus the time of 1); peak resident memory of the process.
 
 Each side runs with its own defaults: kvpool's OpenMP settings (``kvpool/__init__.py``)
 come with importing kvpool, transformers gets libgomp's (unless the user set them).
@@ -39,13 +40,14 @@ def _prompts(batch: int, length: int) -> list[list[int]]:
 
 def _rates(run) -> dict[str, float]:
     """Prefill and decode rates, each the median of ``REPEATS`` measurements.
-    ``run(batch, prompt_len, new_tokens)`` returns seconds."""
-    out = {"prefill_tok_s": statistics.median(PREFILL / run(1, PREFILL, 1) for _ in range(REPEATS))}
+    ``run(batch, prompt_len, new_tokens)`` returns (seconds to the first token, seconds
+    of the decode steps after it)."""
+    prefill = (PREFILL / run(1, PREFILL, 1)[0] for _ in range(REPEATS))
+    out = {"prefill_tok_s": statistics.median(prefill)}
     for batch in BATCHES:
-        rates = []
-        for _ in range(REPEATS):
-            full, first = run(batch, PROMPT, DECODE_STEPS + 1), run(batch, PROMPT, 1)
-            rates.append(batch * DECODE_STEPS / (full - first))
+        rates = (
+            batch * DECODE_STEPS / run(batch, PROMPT, DECODE_STEPS + 1)[1] for _ in range(REPEATS)
+        )
         out[f"decode_b{batch}_tok_s"] = statistics.median(rates)
     return out
 
@@ -60,24 +62,24 @@ def _ours(dtype: str) -> dict[str, float]:
     runner = loaded.make_runner(128 * 2**20, 16, enable_prefix_caching=False)
     manager = runner.manager
 
-    def run(batch: int, length: int, new_tokens: int) -> float:
+    def run(batch: int, length: int, new_tokens: int) -> tuple[float, float]:
         prompts = _prompts(batch, length)
         start = time.perf_counter()
         for b, p in enumerate(prompts):
             manager.allocate(b, p)
         logits = runner.forward([SeqChunk(b, p, 0) for b, p in enumerate(prompts)])
+        first = time.perf_counter()
         for _ in range(new_tokens - 1):
             chunks = []
-            for b, row in enumerate(logits):
-                token = int(row.argmax())
+            for b, token in enumerate(logits.argmax(-1).tolist()):  # greedy, as theirs
                 pos = manager.num_tokens(b)
                 manager.append(b, [token])
                 chunks.append(SeqChunk(b, [token], pos))
             logits = runner.forward(chunks)
-        elapsed = time.perf_counter() - start
+        end = time.perf_counter()
         for b in range(batch):
             manager.free(b)
-        return elapsed
+        return first - start, end - first
 
     run(1, 16, 2)  # warm up
     result.update(_rates(run))
@@ -98,7 +100,7 @@ def _transformers(dtype: str) -> dict[str, float]:
     model.eval()
     result = {"load_s": time.perf_counter() - t0}
 
-    def run(batch: int, length: int, new_tokens: int) -> float:
+    def generate(batch: int, length: int, new_tokens: int) -> float:
         ids = torch.tensor(_prompts(batch, length))
         start = time.perf_counter()
         with torch.inference_mode():
@@ -107,6 +109,10 @@ def _transformers(dtype: str) -> dict[str, float]:
                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
             )  # fmt: skip
         return time.perf_counter() - start
+
+    def run(batch: int, length: int, new_tokens: int) -> tuple[float, float]:
+        first = generate(batch, length, 1)
+        return first, (generate(batch, length, new_tokens) - first if new_tokens > 1 else 0.0)
 
     run(1, 16, 2)  # warm up
     result.update(_rates(run))
