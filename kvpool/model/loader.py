@@ -82,27 +82,22 @@ class LoadedModel:
         return "\n".join(lines)
 
 
-# glibc's mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_LARGE_ALLOCATION = 1 << 20
-
-
 def _release_heap_memory() -> None:
     """Hand the heap pages freed by loading (the dequantized fp32 tensors, the plain
-    copies of prepacked weights) back to the OS, and from now on give allocations of
-    1 MiB or more their own mappings, returned to the OS when freed. glibc otherwise
-    keeps freed pages, and raises its mapping threshold after every large free, so a big
-    prefill's activations stay resident for good. Measured on the default model:
-    resident after loading 784 -> 633 MiB; peak of ``kvpool bench model`` 994 -> 911
-    MiB, speed unchanged. A no-op where the C library is not glibc."""
+    copies of prepacked weights) back to the OS: glibc keeps them otherwise. Measured on
+    the default model: resident after loading 784 -> 633 MiB. A no-op where the C
+    library has no ``malloc_trim``.
+
+    Tried and dropped: also giving every allocation of 1 MiB or more its own mapping
+    (``mallopt``), which lowered the peak of ``kvpool bench model`` from 994 to 911 MiB
+    but made the server 1.5x slower under load (``kvpool bench serve`` shared-prefix
+    14.4 -> 21 s): the sampler's per-step logits tensors then page-faulted on every step.
+    """
     try:
-        libc = ctypes.CDLL(None)
-        trim, mallopt = libc.malloc_trim, libc.mallopt
+        trim = ctypes.CDLL(None).malloc_trim
     except (AttributeError, OSError):
         return
     trim(0)
-    mallopt(_M_MMAP_THRESHOLD, _LARGE_ALLOCATION)
-    mallopt(_M_TRIM_THRESHOLD, _LARGE_ALLOCATION)
 
 
 def load_model(
