@@ -6,17 +6,20 @@ products and large gathers on all threads and the many small ops between them on
 the machine is doing, so ``ThreadPolicy`` measures instead of guessing. Measured on 2
 cores (decode step at batch 1 / 8 / 32, 512-token prefill):
 
-- machine otherwise idle: SPLIT 13.2 / 31.5 / 64.8 ms, ONE 17.2 / 38.7 / 87.6 ms; prefill
-  ALL 474 ms, ONE 900 ms;
+- machine otherwise idle: ALL 13.2 / 30.7 / 62.2 ms, SPLIT 14.0 / 37.2 / 68.4 ms, ONE
+  17.2 / 38.7 / 87.6 ms; prefill ALL 474 ms, ONE 900 ms;
 - one busy process beside it: SPLIT 73 / 102 / 153 ms, ONE 17.5 / 39 / 89 ms; prefill
-  ALL 1,348 ms, ONE 898 ms: the worker thread waits for a core that is taken.
+  ALL 1,348 ms, ONE 898 ms: a worker thread waits for a core that is taken;
+- workers that never spin (``OMP_WAIT_POLICY=PASSIVE``), idle machine: SPLIT 19.2 /
+  35.3 / 65.2 ms, ALL worse for small steps: each small op pays for waking a worker.
 
-Every step kind (decode or prefill, and its size in powers of two) has two candidates:
-SPLIT and ONE for decode steps and small steps, ALL and ONE for larger prefill steps. The
-policy runs the candidate with the lower recent time per token and, every
-``explore_every`` steps of a kind, the other one once, so that it notices when the
-machine gets busy or idle again. The mode never changes results: each op computes the
-same values on any number of threads (tested bit for bit).
+Candidates: ALL, SPLIT and ONE for decode steps and small steps, ALL and ONE for larger
+prefill steps, per step kind (decode or not, and the size in powers of two). The policy
+runs the candidate with the lowest recent time per token and, every ``explore_every``
+steps of a kind, each of the others once (less often for a mode that keeps proving much
+slower), so that it notices when the machine gets busy or idle again. The mode never
+changes results: each op computes the same values on any number of threads (tested bit
+for bit).
 """
 
 from __future__ import annotations
@@ -33,10 +36,13 @@ class Mode(enum.Enum):
 
 @dataclass
 class _Kind:
-    candidates: tuple[Mode, Mode]
+    candidates: tuple[Mode, ...]
     seconds_per_token: dict[Mode, float] = field(default_factory=dict)
     last_step: dict[Mode, int] = field(default_factory=dict)  # when each was last run
     steps: int = 0
+    # Exploring: the step at which each other mode is next tried, and its interval.
+    next_try: dict[Mode, int] = field(default_factory=dict)
+    interval: dict[Mode, int] = field(default_factory=dict)
 
 
 class ThreadPolicy:
@@ -73,7 +79,7 @@ class ThreadPolicy:
         key = (decode_only, tokens.bit_length())
         kind = self._kinds.get(key)
         if kind is None:
-            kind = _Kind((Mode.SPLIT, Mode.ONE) if split else (Mode.ALL, Mode.ONE))
+            kind = _Kind((Mode.ALL, Mode.SPLIT, Mode.ONE) if split else (Mode.ALL, Mode.ONE))
             self._kinds[key] = kind
         kind.steps += 1
         unmeasured = [m for m in kind.candidates if m not in kind.seconds_per_token]
@@ -83,10 +89,31 @@ class ThreadPolicy:
                 self._pending = None
                 return mode
         else:
-            best = min(kind.candidates, key=lambda m: kind.seconds_per_token[m])
-            other = kind.candidates[1] if best is kind.candidates[0] else kind.candidates[0]
-            mode = other if kind.steps % self.explore_every == 0 else best
+            mode = min(kind.candidates, key=lambda m: kind.seconds_per_token[m])
+            explore = self._due(kind, [m for m in kind.candidates if m is not mode])
+            if explore is not None:
+                mode = explore
         self._pending = (kind, mode, tokens)
+        return mode
+
+    def _due(self, kind: _Kind, others: list[Mode]) -> Mode | None:
+        """The mode (not the best) to try now, if one is due. A mode that keeps proving
+        much slower (over 1.5x the best) is tried at doubling intervals, up to 16x
+        ``explore_every``, so that exploring costs little when the choice is clear
+        (another process on a core: SPLIT 73 ms a step against ONE's 17.5)."""
+        for mode in others:
+            if mode not in kind.next_try:
+                kind.interval[mode] = self.explore_every
+                kind.next_try[mode] = kind.steps + self.explore_every
+        mode = min(others, key=lambda m: kind.next_try[m])
+        if kind.steps < kind.next_try[mode]:
+            return None
+        best = min(kind.seconds_per_token.values())
+        if kind.seconds_per_token[mode] > 1.5 * best:
+            kind.interval[mode] = min(2 * kind.interval[mode], 16 * self.explore_every)
+        else:
+            kind.interval[mode] = self.explore_every
+        kind.next_try[mode] = kind.steps + kind.interval[mode]
         return mode
 
     def record(self, seconds: float) -> None:
