@@ -103,3 +103,27 @@ def test_a_nucleus_wider_than_the_first_candidates_is_still_exact():
     sampler = Sampler(seed=0)
     seen = {sampler.sample(logits, params, [[]], [[]], gens)[0] for _ in range(3000)}
     assert len(seen) > 400 and max(seen) < 600  # beyond 256, never the unlikely tail
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(
+    "kwargs", [{"top_p": 0.9}, {"top_p": 0.99}, {"min_p": 0.001}, {"top_p": 0.95, "min_p": 1e-4}]
+)
+def test_wide_nucleus_keeps_exactly_what_a_full_sort_keeps(seed: int, kwargs: dict):
+    """Flat rows, whose nucleus or min-p floor reaches far past the first candidates,
+    keep the same tokens with the same weights as filtering the fully sorted row."""
+    from kvpool.engine.sampling import NUCLEUS_CANDIDATES, _best_candidates, _filter_sorted
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 5000
+    probs = torch.softmax(torch.randn(3, vocab, generator=gen) * (0.5 + seed / 4), dim=-1)
+    params = [SamplingParams(temperature=1.0, **kwargs)] * 3
+    best = _best_candidates(probs, params)
+    for j, (weights, ids, draws) in enumerate(best):
+        kept = _filter_sorted(weights, params[j])
+        values, order = probs[j].sort(descending=True, stable=True)
+        want = _filter_sorted(values, params[j])
+        assert int((kept > 0).sum()) == int((want > 0).sum())
+        assert torch.equal(kept[kept > 0], want[want > 0])
+        assert set(ids[kept > 0].tolist()) == set(order[want > 0].tolist())
+        assert draws in (NUCLEUS_CANDIDATES, vocab)

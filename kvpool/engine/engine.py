@@ -139,8 +139,10 @@ class Engine:
                     requests.append(child)
         progressed = list(rejected)
         if rows:
+            # (every row once, in order, is the common case: no copy of [B, vocab])
+            same = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
             tokens = self.sampler.sample(
-                logits[rows],
+                logits if same else logits[rows],
                 [r.params for r in requests],
                 [r.prompt_ids for r in requests],
                 [r.output_ids for r in requests],
