@@ -95,3 +95,13 @@ def test_modes_give_bit_identical_logits(fp32_model):
         results[mode] = (prefill, decode)
     for mode in (Mode.SPLIT, Mode.ALL):
         assert all(torch.equal(a, b) for a, b in zip(results[Mode.ONE], results[mode], strict=True))
+
+
+def test_long_prefill_steps_are_one_kind():
+    """Trying one thread on a long prefill costs a whole slow step: all sizes from 128
+    tokens share what was learnt."""
+    policy = ThreadPolicy(2)
+    for tokens in (200, 700, 2048):
+        policy.choose(tokens, decode_only=False)
+        policy.record(tokens * 0.001)
+    assert list(policy.summary()) == ["prefill >=128 tokens"]

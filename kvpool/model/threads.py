@@ -14,7 +14,8 @@ cores (decode step at batch 1 / 8 / 32, 512-token prefill):
   35.3 / 65.2 ms, ALL worse for small steps: each small op pays for waking a worker.
 
 Candidates: ALL, SPLIT and ONE for decode steps and small steps, ALL and ONE for larger
-prefill steps, per step kind (decode or not, and the size in powers of two). The policy
+prefill steps, per step kind (decode or not, and the size in powers of two; prefill
+steps of 128 tokens or more are one kind). The policy
 runs the candidate with the lowest recent time per token and, every ``explore_every``
 steps of a kind, each of the others once (less often for a mode that keeps proving much
 slower), so that it notices when the machine gets busy or idle again. The mode never
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+PREFILL_KIND_BITS = 8  # prefill steps of 2**(8-1) = 128 tokens or more: one kind
 
 
 class Mode(enum.Enum):
@@ -76,7 +79,11 @@ class ThreadPolicy:
             self._pending = None
             return Mode.ONE
         split = decode_only or tokens <= self.small_tokens
-        key = (decode_only, tokens.bit_length())
+        # Decode steps by batch size in powers of two; prefill steps of 128 tokens or
+        # more are one kind (their time per token hardly depends on the size, and each
+        # kind pays for trying a slow mode on a long step)
+        size = tokens.bit_length()
+        key = (decode_only, size if decode_only else min(size, PREFILL_KIND_BITS))
         kind = self._kinds.get(key)
         if kind is None:
             kind = _Kind((Mode.ALL, Mode.SPLIT, Mode.ONE) if split else (Mode.ALL, Mode.ONE))
@@ -136,5 +143,7 @@ class ThreadPolicy:
         out = {}
         for (decode, size), kind in sorted(self._kinds.items()):
             label = f"{'decode' if decode else 'prefill'} <{2**size} tokens"
+            if not decode and size == PREFILL_KIND_BITS:
+                label = f"prefill >={2 ** (size - 1)} tokens"
             out[label] = {m.value: s * 1e3 for m, s in kind.seconds_per_token.items()}
         return out
