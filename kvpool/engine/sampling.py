@@ -3,11 +3,11 @@
 ``Sampler.sample`` turns one row of logits per sequence into one token per sequence, each
 row with its own parameters, in this order: repetition / presence / frequency penalties,
 temperature (0 = greedy), top-k, top-p, min-p, then a draw. The filters look at the best
-candidates (``topk``, not a sort of the whole vocabulary, unless a nucleus is wider than
-the candidates), and the draw is an exponential race over what they keep. A request with
-a ``seed`` draws from its own generator, created once for the request, and the draws it
-makes depend on its own row only, so its samples do not depend on what else is in the
-batch; requests without one share the sampler's generator.
+candidates (``topk``, or the tokens above a threshold for a nucleus wider than them; never
+a sort of the whole vocabulary), and the draw is an exponential race over what they
+keep. A request with a ``seed`` draws from its own generator, created once for the
+request, and the draws it makes depend on its own row only, so its samples do not
+depend on what else is in the batch; requests without one share the sampler's generator.
 """
 
 from __future__ import annotations
@@ -132,11 +132,10 @@ def _best_candidates(
 ) -> list[tuple[torch.Tensor, torch.Tensor, int] | None]:
     """Each row's best tokens, probabilities sorted best first, their ids, and how many
     random numbers its draw takes: all that its filters may keep (None: no filter, the
-    whole vocabulary). One ``topk`` gives
-    every row its first candidates; a row whose nucleus or min-p floor may reach past
-    them takes every token above a threshold instead (``_above_threshold``), which is
-    exact and costs a few passes over the row, not a wider ``topk`` (a top-p 0.9 row of
-    a flat distribution: 0.6 ms -> 0.1 ms)."""
+    whole vocabulary). One ``topk`` gives every row its first candidates; a row whose
+    nucleus or min-p floor may reach past them takes every token above a threshold
+    instead (``_above_threshold``): exact, and a few passes over the row rather than a
+    wider ``topk`` (a top-p 0.9 row of a flat distribution: 0.6 ms -> 0.1 ms)."""
     vocab = probs.shape[1]
     counts = [_candidates(p, vocab) for p in params]
     out: list[tuple[torch.Tensor, torch.Tensor, int] | None] = [None] * len(params)
@@ -176,7 +175,7 @@ def _above_threshold(
 
 
 # Rows with top-p or min-p (and no top-k) look at this many best tokens first; a nucleus
-# that needs more looks at 8x as many, and so on up to the whole vocabulary (exact).
+# or min-p floor that reaches further takes the tokens above a threshold (exact).
 NUCLEUS_CANDIDATES = 256
 
 
