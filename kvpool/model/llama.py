@@ -205,7 +205,7 @@ class LlamaModel:
         self.inv_freq = inv_freq.to(device)
         self._buffer: torch.Tensor | None = None  # scratch for gathered K/V (_attend)
         # > 0: the step's light ops run on one thread and only the matrix products and
-        # gathers on this many (set by the runner for large decode steps on the CPU).
+        # large gathers on this many (set by the runner for its SPLIT mode on the CPU).
         self.heavy_threads = 0
         self._fp32_attention = device.type == "cpu" and dtype != torch.float32
 
@@ -279,11 +279,9 @@ class LlamaModel:
             # context positions ride along in baddbmm.
             g = nh // nkv
             queries = q.view(b, nkv, g, d).transpose(0, 1).reshape(nkv * b, g, d)
-            if self._fp32_attention and b * length <= FP32_ATTENTION_MAX_KEYS:
-                # Few keys in all: bf16 batched products cost a fixed ~25 us each on
-                # the CPU, fp32 ones a third of it, which outweighs the conversions.
+            if decode_bias.dtype != values.dtype:  # fp32 attention, chosen in forward
                 keys_t = keys.float().transpose(1, 2)
-                scores = torch.baddbmm(decode_bias.float(), queries.float(), keys_t, alpha=d**-0.5)
+                scores = torch.baddbmm(decode_bias, queries.float(), keys_t, alpha=d**-0.5)
                 out = torch.bmm(torch.softmax(scores, dim=-1), values.float()).to(self.dtype)
                 return out.view(nkv, b, g, d).transpose(0, 1).reshape(b, nh * d)
             scores = torch.baddbmm(decode_bias, queries, keys.transpose(1, 2), alpha=d**-0.5)
@@ -357,7 +355,12 @@ class LlamaModel:
         decode_bias = None
         if batch.decode_only:  # additive mask of missing context, shared by all layers
             valid = batch.key_valid.repeat(nkv, 1)[:, None, :]  # (head, seq) major
-            decode_bias = torch.zeros(valid.shape, dtype=self.dtype, device=x.device)
+            # Few keys in all: attention runs in fp32 (bf16 batched products cost a fixed
+            # ~25 us each on the CPU, fp32 ones a third of it, which outweighs the
+            # conversions); the bias carries that choice to every layer in its dtype.
+            small = batch.key_valid.numel() <= FP32_ATTENTION_MAX_KEYS
+            dtype = torch.float32 if self._fp32_attention and small else self.dtype
+            decode_bias = torch.zeros(valid.shape, dtype=dtype, device=x.device)
             decode_bias.masked_fill_(~valid, float("-inf"))
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)

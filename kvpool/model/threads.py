@@ -78,7 +78,7 @@ class ThreadPolicy:
         if self.max_threads <= 1:
             self._pending = None
             return Mode.ONE
-        split = decode_only or tokens <= self.small_tokens
+        small = decode_only or tokens <= self.small_tokens
         # Decode steps by batch size in powers of two; prefill steps of 128 tokens or
         # more are one kind (their time per token hardly depends on the size, and each
         # kind pays for trying a slow mode on a long step)
@@ -86,7 +86,7 @@ class ThreadPolicy:
         key = (decode_only, size if decode_only else min(size, PREFILL_KIND_BITS))
         kind = self._kinds.get(key)
         if kind is None:
-            kind = _Kind((Mode.ALL, Mode.SPLIT, Mode.ONE) if split else (Mode.ALL, Mode.ONE))
+            kind = _Kind((Mode.ALL, Mode.SPLIT, Mode.ONE) if small else (Mode.ALL, Mode.ONE))
             self._kinds[key] = kind
         kind.steps += 1
         unmeasured = [m for m in kind.candidates if m not in kind.seconds_per_token]
@@ -130,9 +130,9 @@ class ThreadPolicy:
         kind, mode, tokens = self._pending
         self._pending = None
         per_token = seconds / tokens
-        stale = kind.last_step.get(mode) != kind.steps - 1
+        stale = kind.last_step.get(mode) != kind.steps - 1  # also: never measured
         kind.last_step[mode] = kind.steps
-        if stale or mode not in kind.seconds_per_token:
+        if stale:
             kind.seconds_per_token[mode] = per_token
         else:
             old = kind.seconds_per_token[mode]
