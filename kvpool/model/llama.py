@@ -250,26 +250,29 @@ class LlamaModel:
         v_cache: torch.Tensor,
         batch: AttentionBatch,
         decode_bias: torch.Tensor | None,
+        head_blocks: torch.Tensor,
     ) -> torch.Tensor:
         """Each sequence's new queries over its own context slots -> ``[T, heads * dim]``.
 
         The context is gathered whole blocks at a time (``block_size * dim`` contiguous
-        elements per copy, not one token's ``dim``: 3-4x faster than gathering slots)."""
+        elements per copy, not one token's ``dim``: 3-4x faster than gathering slots), in
+        one row gather over the store seen as ``[heads * blocks, block_size * dim]``
+        (``head_blocks``: the rows of each KV head's blocks, head-major), which torch
+        runs on all threads (a gather along the block dimension of ``[heads, blocks,
+        ...]`` runs on one: batch 32, 60 gathers a step from memory, 12.1 -> 8.9 ms)."""
         cfg = self.config
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         b, n_blocks = batch.context_blocks.shape
         length = batch.key_valid.shape[1]  # n_blocks * block_size
-        blocked = (nkv, -1, length // n_blocks * d)  # [heads, blocks, block_size * dim]
-        flat = batch.context_blocks.view(-1)
+        rows = (-1, length // n_blocks * d)  # [heads * blocks, block_size * dim]
         size = nkv * b * length * d
         buf = self._scratch(2 * size)  # reused: a fresh multi-MB tensor per layer costs
         # page faults on every step (measured: the gather ran 10x slower than memcpy)
-        gathered = (nkv, flat.shape[0], blocked[2])
-        k_out, v_out = buf[:size].view(gathered), buf[size:].view(gathered)
+        k_out, v_out = buf[:size].view(rows), buf[size:].view(rows)
         # Small gathers stay on the current thread: waking another costs more.
         gather = self._heavy if size >= PARALLEL_GATHER_MIN else _call
-        gather(torch.index_select, k_cache.view(blocked), 1, flat, out=k_out)
-        gather(torch.index_select, v_cache.view(blocked), 1, flat, out=v_out)
+        gather(torch.index_select, k_cache.view(rows), 0, head_blocks, out=k_out)
+        gather(torch.index_select, v_cache.view(rows), 0, head_blocks, out=v_out)
         keys = buf[:size].view(nkv * b, length, d)
         values = buf[size:].view(nkv * b, length, d)
         if decode_bias is not None:
@@ -352,6 +355,9 @@ class LlamaModel:
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos, sin_signed = self._rope(batch.positions)
         x = self.embed[batch.input_ids]
+        # rows of the context blocks in a layer's store seen as [heads * blocks, ...]
+        head_offsets = torch.arange(nkv, device=x.device)[:, None] * kv.num_blocks
+        head_blocks = (head_offsets + batch.context_blocks.view(1, -1)).view(-1)
         decode_bias = None
         if batch.decode_only:  # additive mask of missing context, shared by all layers
             valid = batch.key_valid.repeat(nkv, 1)[:, None, :]  # (head, seq) major
@@ -371,7 +377,7 @@ class LlamaModel:
             k_cache, v_cache = kv.k[i], kv.v[i]
             k_cache.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
             v_cache.index_copy_(1, batch.slot_mapping, v.view(n_tokens, nkv, d).transpose(0, 1))
-            out = self._attend(q, k_cache, v_cache, batch, decode_bias)
+            out = self._attend(q, k_cache, v_cache, batch, decode_bias, head_blocks)
             x = x + self._heavy(layer.o, out)
             h = _rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
             gate, up = self._heavy(layer.gate_up, h).chunk(2, dim=-1)
