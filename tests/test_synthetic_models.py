@@ -37,11 +37,12 @@ def test_random_model_matches_reference(tmp_path: Path, arch: str, mix: str):
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file=path.name, dtype=torch.float32
     )
-    config, weights = load_gguf_weights(path)
+    rows: dict = {}  # the quantized embedding is looked up in its blocks
+    config, weights = load_gguf_weights(path, rows=rows)
     assert config.architecture == arch and config.attention_bias == (arch == "qwen2")
-    runner = ModelRunner(
-        LlamaModel(config, weights, torch.device("cpu"), torch.float32), KVCacheManager(32, 16)
-    )
+    model = LlamaModel(config, weights, torch.device("cpu"), torch.float32, rows=rows)
+    assert model.embed is rows["token_embd.weight"]
+    runner = ModelRunner(model, KVCacheManager(32, 16))
     prompt = [(7 * i + 3) % 500 for i in range(45)]
     runner.manager.allocate("s", prompt[:-1])
     prefill = runner.forward([SeqChunk("s", prompt[:-1], 0)], all_logits=True)
@@ -103,3 +104,23 @@ def test_llama3_rope_scaling_matches_reference(tmp_path: Path):
         unscaled = plain(torch.tensor([prompt])).logits[0].float()
     assert (ours - want).abs().max().item() < 1e-3
     assert (ours - unscaled).abs().max().item() > 1e-2  # the scaling is really applied
+
+
+@pytest.mark.parametrize("qname", ["Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_embedding_rows_equal_the_dequantized_matrix(tmp_path, qname, dtype):
+    path = write_model(tmp_path / "m.gguf", "llama", {"token_embd.weight": qname})
+    rows: dict = {}
+    _, weights = load_gguf_weights(path, dtype, rows=rows)
+    table, dense = rows["token_embd.weight"], weights["token_embd.weight"]
+    assert table.shape == tuple(dense.shape) and table.numel() == dense.numel()
+    ids = torch.tensor([0, 7, 7, dense.shape[0] - 1, 3])
+    got = table[ids]
+    assert got.dtype == dtype and torch.equal(got, dense[ids])
+
+
+def test_unquantized_embedding_is_not_kept_twice(tmp_path):
+    path = write_model(tmp_path / "m.gguf", "llama", {"token_embd.weight": "F16"})
+    rows: dict = {}
+    load_gguf_weights(path, rows=rows)
+    assert rows == {}

@@ -21,7 +21,9 @@ from kvpool.model.config import ModelConfig, UnsupportedModel
 
 # ggml type ids read without the gguf package
 _F32, _F16, _BF16, _Q4_0, _Q4_1 = 0, 1, 30, 2, 3
+_UNQUANTIZED = (_F32, _F16, _BF16)
 _Q4_GROUP = 32
+_EMBEDDING = "token_embd.weight"
 
 
 @dataclass
@@ -39,6 +41,30 @@ class Int4Weight:
         return Int4Weight(
             torch.cat([p.packed for p in parts]), torch.cat([p.scales_zeros for p in parts], 1)
         )
+
+
+class QuantizedRows:
+    """A matrix ``[N, K]`` kept as its GGUF blocks, rows dequantized when looked up: for a
+    token embedding, the few rows a step reads instead of a dequantized copy of all of
+    them (SmolLM2's Q8_0 embedding: 30 MB instead of 57 MB in bf16; a Llama 3 8B's Q4_K
+    one: 0.3 instead of 1 GB). Rows are bit-identical to those of the whole matrix
+    dequantized: each row is whole blocks, dequantized alone by the same kernels."""
+
+    def __init__(self, raw: np.ndarray, qtype: int, cols: int, dtype: torch.dtype) -> None:
+        self.raw = raw  # uint8 [N, bytes per row]
+        self.qtype = qtype
+        self.shape = (raw.shape[0], cols)
+        self.dtype = dtype
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        rows = self.raw[ids.cpu().numpy()]
+        return torch.from_numpy(dequantize(rows, GGMLQuantizationType(self.qtype))).to(self.dtype)
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
 
 
 def _int4_weight(raw: np.ndarray, info: GGUFTensorInfo, row_order: torch.Tensor | None):
@@ -102,9 +128,11 @@ def load_gguf_weights(
     header: GGUFHeader | None = None,
     on_tensor: Callable[[int, int], None] | None = None,
     int4: dict[str, Int4Weight] | None = None,
+    rows: dict[str, QuantizedRows] | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Config and every tensor of the file, by GGUF name, dequantized to ``dtype``. With
-    ``int4`` given, Q4_0 / Q4_1 matrices are also put there in torch's int4 layout."""
+    ``int4`` given, Q4_0 / Q4_1 matrices are also put there in torch's int4 layout; with
+    ``rows`` given, a quantized token embedding is also put there as ``QuantizedRows``."""
     header = header or read_gguf_header(path)
     config = ModelConfig.from_gguf(header)
     data = np.memmap(header.path, dtype=np.uint8, mode="r", offset=header.data_offset)
@@ -119,6 +147,10 @@ def load_gguf_weights(
         if heads:
             tensor = _unpermute_rotary(tensor, heads)
         weights[info.name] = tensor
+        if rows is not None and info.name == _EMBEDDING and info.ggml_type not in _UNQUANTIZED:
+            n = info.shape[1]
+            rows[info.name] = QuantizedRows(raw.reshape(n, -1).copy(), info.ggml_type,
+                                            info.shape[0], dtype)  # fmt: skip
         if int4 is not None and info.ggml_type in (_Q4_0, _Q4_1) and len(info.shape) == 2:
             order = _rotary_row_order(info.shape[1], heads) if heads else None
             int4[info.name] = _int4_weight(raw, info, order)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpool.model.config import ModelConfig
-from kvpool.model.gguf_weights import Int4Weight
+from kvpool.model.gguf_weights import Int4Weight, QuantizedRows
 from kvpool.model.kv_store import PagedKVStore
 
 
@@ -156,9 +156,12 @@ class LlamaModel:
         device: torch.device,
         dtype: torch.dtype,
         int4: dict[str, Int4Weight] | None = None,
+        rows: dict[str, QuantizedRows] | None = None,
     ) -> None:
         """Build from GGUF-named tensors; ``weights`` is consumed (emptied). ``int4``
-        (Q4 matrices in torch's int4 layout) is used on the CPU in bfloat16 only."""
+        (Q4 matrices in torch's int4 layout) is used on the CPU in bfloat16 only;
+        ``rows`` (a quantized token embedding kept as its blocks) on the CPU only, where
+        it replaces a dequantized copy that would be kept for lookups alone."""
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -172,11 +175,16 @@ class LlamaModel:
             parts = [int4.get(name) for name in names]
             return Int4Weight.cat(parts) if all(p is not None for p in parts) else None
 
-        self.embed = w("token_embd.weight")
+        embed = w("token_embd.weight")
+        quantized = (rows or {}).get("token_embd.weight") if device.type == "cpu" else None
+        self.embed: torch.Tensor | QuantizedRows = embed if quantized is None else quantized
         if config.tie_word_embeddings:
-            self.lm_head = Linear(self.embed)
+            self.lm_head = Linear(embed)
+            if self.lm_head.weight is embed:  # one plain copy serves both
+                self.embed = embed
         else:
             self.lm_head = Linear(w("output.weight"), None, q4("output.weight"))
+        del embed
         self.final_norm = w("output_norm.weight")
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):

@@ -120,6 +120,7 @@ def load_model(
     tokenizer = Tokenizer.from_gguf(header)
     bar = Progress(f"loading {path.name}", len(header.tensors)) if progress else None
     int4_weights = {} if int4 and dev.type == "cpu" and torch_dtype == torch.bfloat16 else None
+    rows = {} if dev.type == "cpu" else None
     try:
         config, weights = load_gguf_weights(
             path,
@@ -127,12 +128,13 @@ def load_model(
             header=header,
             on_tensor=(lambda i, n: bar.advance()) if bar else None,
             int4=int4_weights,
+            rows=rows,
         )
     finally:
         if bar:
             bar.__exit__()
-    model = LlamaModel(config, weights, dev, torch_dtype, int4_weights)
-    del weights, int4_weights
+    model = LlamaModel(config, weights, dev, torch_dtype, int4_weights, rows)
+    del weights, int4_weights, rows
     _release_heap_memory()
     loaded = LoadedModel(path, config, model, tokenizer, time.perf_counter() - start)
     if progress:
