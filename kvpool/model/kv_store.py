@@ -4,9 +4,17 @@ Each tensor is ``[num_kv_heads, num_blocks * block_size, head_dim]``: token slot
 ``block_id * block_size + offset`` holds the token at ``offset`` of block ``block_id``.
 Nothing here knows about sequences: the block manager decides which slots a sequence
 owns, and the runner turns its block table into slot indices.
+
+On the CPU the tensors lie in one anonymous memory mapping, which the OS fills with zeros
+page by page on first touch: the pool is allocated once at its full size, but only the
+blocks that have held tokens occupy memory (a server given a large budget and a light
+load stays small; its resident KV grows to the budget as blocks are used and cached).
 """
 
 from __future__ import annotations
+
+import math
+import mmap
 
 import torch
 
@@ -27,8 +35,11 @@ class PagedKVStore:
         # Head-major: gathering a batch's context gives one contiguous [tokens, dim] run
         # per (head, sequence), the operand layout of the decode attention's matmuls.
         shape = (config.num_kv_heads, num_blocks * block_size, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        per_tensor = math.prod(shape)
+        storage = _zeros(2 * config.num_layers * per_tensor, dtype, device)
+        tensors = [t.view(shape) for t in storage.split(per_tensor)]
+        self.k = tensors[: config.num_layers]
+        self.v = tensors[config.num_layers :]
 
     @property
     def nbytes(self) -> int:
@@ -47,3 +58,15 @@ class PagedKVStore:
         dst_slots = (dst[:, None] * bs + offsets).reshape(-1)
         for tensor in self.k + self.v:
             tensor.index_copy_(1, dst_slots, tensor.index_select(1, src_slots))
+
+
+def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled 1-D tensor; on the CPU (where the platform has anonymous mappings)
+    backed by a private anonymous mapping whose pages are committed when first written,
+    not here. Zeros, not garbage, matter: attention reads whole blocks and masks the
+    unused slots, and a NaN in a masked slot would still poison its products."""
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    if device.type != "cpu" or not hasattr(mmap, "MAP_ANONYMOUS") or numel == 0:
+        return torch.zeros(numel, dtype=dtype, device=device)
+    mapping = mmap.mmap(-1, numel * dtype.itemsize, flags=flags)
+    return torch.frombuffer(mapping, dtype=dtype)  # the tensor keeps the mapping alive
