@@ -4,7 +4,10 @@ machine, same dtype, each side in its own process (so peak memory is its own).
 Figures: load time; prefill tokens/s for a 512-token prompt; decode tokens/s at batch 1, 8
 and 32 (100-token prompts, the time of the N decode steps after the first token, so
 prefill is not counted: for transformers, whose ``generate()`` does both, the time of
-N+1 generated tokens minus the time of 1); peak resident memory of the process.
+N+1 generated tokens minus the time of 1); peak resident memory of the process. kvpool
+prefills a batch's prompts in steps of at most the engine's default step budget
+(``MAX_BATCH_TOKENS``), as it serves them; transformers in one call, as ``generate()``
+does.
 
 Each side runs with its own defaults: kvpool's OpenMP settings (``kvpool/__init__.py``)
 come with importing kvpool, transformers gets libgomp's (unless the user set them).
@@ -53,6 +56,9 @@ def _rates(run) -> dict[str, float]:
 
 
 def _ours(dtype: str) -> dict[str, float]:
+    import torch
+
+    from kvpool.engine.scheduler import MAX_BATCH_TOKENS
     from kvpool.model.loader import load_model
     from kvpool.model.runner import SeqChunk
 
@@ -67,7 +73,11 @@ def _ours(dtype: str) -> dict[str, float]:
         start = time.perf_counter()
         for b, p in enumerate(prompts):
             manager.allocate(b, p)
-        logits = runner.forward([SeqChunk(b, p, 0) for b, p in enumerate(prompts)])
+        per_step = max(1, MAX_BATCH_TOKENS // length)  # prompts per step, as the engine
+        logits = torch.cat([
+            runner.forward([SeqChunk(b, prompts[b], 0) for b in range(i, min(i + per_step, batch))])
+            for i in range(0, batch, per_step)
+        ])  # fmt: skip
         first = time.perf_counter()
         for _ in range(new_tokens - 1):
             chunks = []

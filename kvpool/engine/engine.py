@@ -11,7 +11,7 @@ from kvpool.cache import KVCacheManager
 from kvpool.engine.errors import PromptExceedsPool, PromptTooLong, RequestError
 from kvpool.engine.request import Request, Status
 from kvpool.engine.sampling import Sampler, SamplingParams
-from kvpool.engine.scheduler import Scheduler
+from kvpool.engine.scheduler import MAX_BATCH_TOKENS, Scheduler
 from kvpool.model.llama import LlamaModel
 from kvpool.model.runner import ModelRunner, SeqChunk
 
@@ -30,7 +30,7 @@ class Engine:
         *,
         num_blocks: int,
         block_size: int = 16,
-        max_batch_tokens: int = 2048,
+        max_batch_tokens: int = MAX_BATCH_TOKENS,
         enable_prefix_caching: bool = True,
         policy: str = "paged",
         stop_ids: Iterable[int] = (),

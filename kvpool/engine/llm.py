@@ -16,6 +16,7 @@ from kvpool.cache import CacheStats
 from kvpool.engine.engine import Engine
 from kvpool.engine.request import Request, Status
 from kvpool.engine.sampling import SamplingParams
+from kvpool.engine.scheduler import MAX_BATCH_TOKENS
 from kvpool.engine.text_stream import TextStream
 from kvpool.model.loader import load_model
 
@@ -49,7 +50,7 @@ class LLM:
         kv_cache_memory: int = 256 * 2**20,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
-        max_batch_tokens: int = 2048,
+        max_batch_tokens: int = MAX_BATCH_TOKENS,
         policy: str = "paged",
         seed: int | None = None,
         progress: bool = True,

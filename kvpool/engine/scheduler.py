@@ -27,6 +27,9 @@ from dataclasses import dataclass
 from kvpool.cache import KVCacheManager, OutOfBlocks
 from kvpool.engine.request import Request, Status
 
+# Tokens computed in one step by default: prompts longer than this are prefilled in chunks.
+MAX_BATCH_TOKENS = 2048
+
 
 @dataclass
 class Work:
@@ -47,7 +50,7 @@ class Scheduler:
         self,
         manager: KVCacheManager,
         *,
-        max_batch_tokens: int = 2048,
+        max_batch_tokens: int = MAX_BATCH_TOKENS,
         max_running: int = 256,
         watermark: float = 0.01,
     ) -> None:
