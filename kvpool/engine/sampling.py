@@ -83,11 +83,16 @@ class Sampler:
         output_ids: Sequence[Sequence[int]],
         generators: Sequence[torch.Generator | None],
     ) -> list[int]:
-        """One token per row of ``logits`` ``[B, vocab]`` (float32, on the CPU)."""
+        """One token per row of ``logits`` ``[B, vocab]``, on any device: greedy rows take
+        their argmax there; penalties and random draws run on the CPU (the generators
+        are CPU generators, so a seed gives the same tokens whatever the device)."""
         logits = logits.float()
         batch = logits.shape[0]
-        if any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
-               for p in params):  # fmt: skip
+        penalties = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
+                        for p in params)  # fmt: skip
+        if logits.device.type != "cpu" and (penalties or not all(p.greedy for p in params)):
+            logits = logits.cpu()
+        if penalties:
             logits = logits.clone()
             _apply_penalties(logits, params, prompt_ids, output_ids)
         out = [0] * batch

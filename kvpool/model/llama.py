@@ -331,7 +331,9 @@ class LlamaModel:
         b = own_scores.shape[0] // nkv
         blocked = (nkv, -1, bs * d)
         width = max(group.blocks.shape[0] for group in batch.shared_prefixes) * bs
-        shared = torch.full((nkv, b, g, width), float("-inf"), dtype=own_scores.dtype)
+        shared = torch.full(
+            (nkv, b, g, width), float("-inf"), dtype=own_scores.dtype, device=queries.device
+        )
         parts = []
         q4 = queries.view(nkv, b, g, d)
         for group in batch.shared_prefixes:
