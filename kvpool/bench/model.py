@@ -1,5 +1,6 @@
 """``kvpool bench model``: the runtime beside transformers' ``generate()``, same model, same
-machine, same dtype, each side in its own process (so peak memory is its own).
+machine, same device (CUDA when torch has it), same dtype, each side in its own process
+(so peak memory is its own; on a GPU it is still the process's host memory).
 
 Figures: load time; prefill tokens/s for a 512-token prompt; decode tokens/s at batch 1, 8
 and 32 (100-token prompts, the time of the N decode steps after the first token, so
@@ -35,6 +36,7 @@ PROMPT = 100
 PREFILL = 512
 DECODE_STEPS = 16
 REPEATS = 3
+WARMUP_PREFILLS = 3
 
 
 def _prompts(batch: int, length: int) -> list[list[int]]:
@@ -44,7 +46,13 @@ def _prompts(batch: int, length: int) -> list[list[int]]:
 def _rates(run) -> dict[str, float]:
     """Prefill and decode rates, each the median of ``REPEATS`` measurements.
     ``run(batch, prompt_len, new_tokens)`` returns (seconds to the first token, seconds
-    of the decode steps after it)."""
+    of the decode steps after it). Both sides first run the prefill shape a few times
+    unmeasured, as any warm-up: kvpool's thread policy makes its first trials of a kind
+    of step there (one of them on one thread, twice as slow at this size), which a
+    server pays once, not once in three steps. The decode runs are long enough to carry
+    theirs."""
+    for _ in range(WARMUP_PREFILLS):
+        run(1, PREFILL, 1)
     prefill = (PREFILL / run(1, PREFILL, 1)[0] for _ in range(REPEATS))
     out = {"prefill_tok_s": statistics.median(prefill)}
     for batch in BATCHES:
@@ -67,6 +75,11 @@ def _ours(dtype: str) -> dict[str, float]:
     result = {"load_s": time.perf_counter() - t0}
     runner = loaded.make_runner(128 * 2**20, 16, enable_prefix_caching=False)
     manager = runner.manager
+    cuda = loaded.model.device.type == "cuda"
+
+    def sync() -> None:  # a GPU runs the step's kernels after forward() returns
+        if cuda:
+            torch.cuda.synchronize()
 
     def run(batch: int, length: int, new_tokens: int) -> tuple[float, float]:
         prompts = _prompts(batch, length)
@@ -78,6 +91,7 @@ def _ours(dtype: str) -> dict[str, float]:
             runner.forward([SeqChunk(b, prompts[b], 0) for b in range(i, min(i + per_step, batch))])
             for i in range(0, batch, per_step)
         ])  # fmt: skip
+        sync()
         first = time.perf_counter()
         for _ in range(new_tokens - 1):
             chunks = []
@@ -86,6 +100,7 @@ def _ours(dtype: str) -> dict[str, float]:
                 manager.append(b, [token])
                 chunks.append(SeqChunk(b, [token], pos))
             logits = runner.forward(chunks)
+        sync()
         end = time.perf_counter()
         for b in range(batch):
             manager.free(b)
@@ -100,24 +115,28 @@ def _transformers(dtype: str) -> dict[str, float]:
     import torch
     import transformers
 
+    from kvpool.model.loader import choose_device
     from kvpool.model_store import default_model_path
 
     path = default_model_path()
+    device = choose_device()  # the device kvpool's side chooses
     t0 = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=getattr(torch, dtype)
     )
-    model.eval()
+    model.to(device).eval()
     result = {"load_s": time.perf_counter() - t0}
 
     def generate(batch: int, length: int, new_tokens: int) -> float:
-        ids = torch.tensor(_prompts(batch, length))
+        ids = torch.tensor(_prompts(batch, length), device=device)
         start = time.perf_counter()
         with torch.inference_mode():
             model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
             )  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     def run(batch: int, length: int, new_tokens: int) -> tuple[float, float]:
