@@ -51,17 +51,18 @@ class QuantizedRows:
     dequantized: each row is whole blocks, dequantized alone by the same kernels."""
 
     def __init__(self, raw: np.ndarray, qtype: int, cols: int, dtype: torch.dtype) -> None:
+        from gguf import GGMLQuantizationType
+
         self.raw = raw  # uint8 [N, bytes per row]
-        self.qtype = qtype
+        self.qtype = GGMLQuantizationType(qtype)
         self.shape = (raw.shape[0], cols)
         self.dtype = dtype
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
-        from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         rows = self.raw[ids.cpu().numpy()]
-        return torch.from_numpy(dequantize(rows, GGMLQuantizationType(self.qtype))).to(self.dtype)
+        return torch.from_numpy(dequantize(rows, self.qtype)).to(self.dtype)
 
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]

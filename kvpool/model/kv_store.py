@@ -65,8 +65,8 @@ def _zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     backed by a private anonymous mapping whose pages are committed when first written,
     not here. Zeros, not garbage, matter: attention reads whole blocks and masks the
     unused slots, and a NaN in a masked slot would still poison its products."""
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     if device.type != "cpu" or not hasattr(mmap, "MAP_ANONYMOUS") or numel == 0:
         return torch.zeros(numel, dtype=dtype, device=device)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     mapping = mmap.mmap(-1, numel * dtype.itemsize, flags=flags)
     return torch.frombuffer(mapping, dtype=dtype)  # the tensor keeps the mapping alive
