@@ -1,6 +1,7 @@
-"""The physical KV cache: one K and one V tensor per layer, allocated once.
+"""The physical KV cache: one tensor per layer, allocated once.
 
-Each tensor is ``[num_kv_heads, num_blocks * block_size, head_dim]``: token slot
+A layer's tensor is ``[2 * num_kv_heads, num_blocks * block_size, head_dim]``, its K heads
+then its V heads (``k[i]`` and ``v[i]`` are the two halves): token slot
 ``block_id * block_size + offset`` holds the token at ``offset`` of block ``block_id``.
 Nothing here knows about sequences: the block manager decides which slots a sequence
 owns, and the runner turns its block table into slot indices.
@@ -34,29 +35,31 @@ class PagedKVStore:
         self.block_size = block_size
         # Head-major: gathering a batch's context gives one contiguous [tokens, dim] run
         # per (head, sequence), the operand layout of the decode attention's matmuls.
-        shape = (config.num_kv_heads, num_blocks * block_size, config.head_dim)
-        per_tensor = math.prod(shape)
-        storage = _zeros(2 * config.num_layers * per_tensor, dtype, device)
-        tensors = [t.view(shape) for t in storage.split(per_tensor)]
-        self.k = tensors[: config.num_layers]
-        self.v = tensors[config.num_layers :]
+        # A layer's K heads then its V heads, so one gather reads both.
+        nkv = config.num_kv_heads
+        shape = (2 * nkv, num_blocks * block_size, config.head_dim)
+        per_layer = math.prod(shape)
+        storage = _zeros(config.num_layers * per_layer, dtype, device)
+        self.layers = [t.view(shape) for t in storage.split(per_layer)]
+        self.k = [t[:nkv] for t in self.layers]  # [num_kv_heads, slots, head_dim] views
+        self.v = [t[nkv:] for t in self.layers]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.layers)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` in every layer (copy-on-write)."""
         if not copies:
             return
         bs = self.block_size
-        device = self.k[0].device
+        device = self.layers[0].device
         src = torch.tensor([s for s, _ in copies], device=device)
         dst = torch.tensor([d for _, d in copies], device=device)
         offsets = torch.arange(bs, device=device)
         src_slots = (src[:, None] * bs + offsets).reshape(-1)
         dst_slots = (dst[:, None] * bs + offsets).reshape(-1)
-        for tensor in self.k + self.v:
+        for tensor in self.layers:
             tensor.index_copy_(1, dst_slots, tensor.index_select(1, src_slots))
 
 

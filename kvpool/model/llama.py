@@ -254,8 +254,7 @@ class LlamaModel:
     def _attend(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        layer_kv: torch.Tensor,
         batch: AttentionBatch,
         decode_bias: torch.Tensor | None,
         head_blocks: torch.Tensor,
@@ -263,11 +262,12 @@ class LlamaModel:
         """Each sequence's new queries over its own context slots -> ``[T, heads * dim]``.
 
         The context is gathered whole blocks at a time (``block_size * dim`` contiguous
-        elements per copy, not one token's ``dim``: 3-4x faster than gathering slots), in
-        one row gather over the store seen as ``[heads * blocks, block_size * dim]``
-        (``head_blocks``: the rows of each KV head's blocks, head-major), which torch
-        runs on all threads (a gather along the block dimension of ``[heads, blocks,
-        ...]`` runs on one: batch 32, 60 gathers a step from memory, 12.1 -> 8.9 ms)."""
+        elements per copy, not one token's ``dim``: 3-4x faster than gathering slots), K
+        and V in one row gather over the layer's store seen as ``[(K and V heads) *
+        blocks, block_size * dim]`` (``head_blocks``: the rows of each head's blocks,
+        head-major), which torch runs on all threads (a gather along the block dimension
+        of ``[heads, blocks, ...]`` runs on one: batch 32, 60 gathers a step from memory,
+        12.1 -> 8.9 ms)."""
         cfg = self.config
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         b, n_blocks = batch.context_blocks.shape
@@ -276,11 +276,9 @@ class LlamaModel:
         size = nkv * b * length * d
         buf = self._scratch(2 * size)  # reused: a fresh multi-MB tensor per layer costs
         # page faults on every step (measured: the gather ran 10x slower than memcpy)
-        k_out, v_out = buf[:size].view(rows), buf[size:].view(rows)
         # Small gathers stay on the current thread: waking another costs more.
         gather = self._heavy if size >= PARALLEL_GATHER_MIN else _call
-        gather(torch.index_select, k_cache.view(rows), 0, head_blocks, out=k_out)
-        gather(torch.index_select, v_cache.view(rows), 0, head_blocks, out=v_out)
+        gather(torch.index_select, layer_kv.view(rows), 0, head_blocks, out=buf.view(rows))
         keys = buf[:size].view(nkv * b, length, d)
         values = buf[size:].view(nkv * b, length, d)
         if decode_bias is not None:
@@ -291,13 +289,16 @@ class LlamaModel:
             g = nh // nkv
             queries = q.view(b, nkv, g, d).transpose(0, 1).reshape(nkv * b, g, d)
             if decode_bias.dtype != values.dtype:  # fp32 attention, chosen in forward
-                keys_t = keys.float().transpose(1, 2)
+                kv32 = buf.float()  # K and V in one conversion
+                keys_t = kv32[:size].view(nkv * b, length, d).transpose(1, 2)
                 scores = torch.baddbmm(decode_bias, queries.float(), keys_t, alpha=d**-0.5)
-                out = torch.bmm(torch.softmax(scores, dim=-1), values.float()).to(self.dtype)
+                values32 = kv32[size:].view(nkv * b, length, d)
+                out = torch.bmm(torch.softmax(scores, dim=-1), values32).to(self.dtype)
                 return out.view(nkv, b, g, d).transpose(0, 1).reshape(b, nh * d)
             scores = torch.baddbmm(decode_bias, queries, keys.transpose(1, 2), alpha=d**-0.5)
             if batch.shared_prefixes:
                 bs = length // n_blocks
+                k_cache, v_cache = layer_kv[:nkv], layer_kv[nkv:]
                 return self._attend_shared(queries, scores, values, k_cache, v_cache, batch, bs)
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
             out = torch.bmm(probs, values)  # [nkv * b, g, d]
@@ -365,8 +366,8 @@ class LlamaModel:
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos, sin_signed = self._rope(batch.positions)
         x = self.embed[batch.input_ids]
-        # rows of the context blocks in a layer's store seen as [heads * blocks, ...]
-        head_offsets = torch.arange(nkv, device=x.device)[:, None] * kv.num_blocks
+        # rows of the context blocks in a layer's store seen as [(K and V heads) * blocks, ...]
+        head_offsets = torch.arange(2 * nkv, device=x.device)[:, None] * kv.num_blocks
         head_blocks = (head_offsets + batch.context_blocks.view(1, -1)).view(-1)
         decode_bias = None
         if batch.decode_only:  # additive mask of missing context, shared by all layers
@@ -387,7 +388,7 @@ class LlamaModel:
             k_cache, v_cache = kv.k[i], kv.v[i]
             k_cache.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
             v_cache.index_copy_(1, batch.slot_mapping, v.view(n_tokens, nkv, d).transpose(0, 1))
-            out = self._attend(q, k_cache, v_cache, batch, decode_bias, head_blocks)
+            out = self._attend(q, kv.layers[i], batch, decode_bias, head_blocks)
             x = x + self._heavy(layer.o, out)
             h = _rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
             gate, up = self._heavy(layer.gate_up, h).chunk(2, dim=-1)
