@@ -56,6 +56,7 @@ def test_bf16_decode_attention_in_fp32_agrees_with_bf16_products(monkeypatch):
     from kvpool.model.runner import ModelRunner, SeqChunk
 
     model = load_model(None, dtype="bfloat16", progress=False, int4=False).model
+    model.native_decode = None  # the torch path's choice is under test
     prompt = [(37 * i) % 40000 + 3 for i in range(120)]
 
     def decode_logits() -> torch.Tensor:

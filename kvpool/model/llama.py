@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from kvpool.model.config import ModelConfig
 from kvpool.model.gguf_weights import Int4Weight, QuantizedRows
 from kvpool.model.kv_store import PagedKVStore
+from kvpool.model.native import paged_decode_attention
 
 
 @dataclass
@@ -34,6 +35,7 @@ class AttentionBatch:
     attn_mask: torch.Tensor  # [B, 1, Qmax, Nmax * block_size] bool, True = may attend
     last_index: torch.Tensor  # [B] flat index of each sequence's last new token
     key_valid: torch.Tensor  # [B, Nmax * block_size] bool: context position exists
+    context_lens: torch.Tensor  # [B] context tokens in context_blocks
     decode_only: bool  # every sequence brings exactly one new token
     # Decode only: groups whose first blocks are shared; a member's ``context_blocks``
     # then holds only the blocks after its group's prefix.
@@ -216,6 +218,9 @@ class LlamaModel:
         # large gathers on this many (set by the runner for its SPLIT mode on the CPU).
         self.heavy_threads = 0
         self._fp32_attention = device.type == "cpu" and dtype != torch.float32
+        # Decode attention read straight from the store (kvpool.model.native), where built.
+        cpu_dtype = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        self.native_decode = paged_decode_attention() if cpu_dtype else None
 
     def _heavy(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a matrix product or a large gather on ``heavy_threads`` threads."""
@@ -366,11 +371,15 @@ class LlamaModel:
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos, sin_signed = self._rope(batch.positions)
         x = self.embed[batch.input_ids]
+        native = self.native_decode if batch.decode_only and not batch.shared_prefixes else None
+        if native is not None:  # one op a layer, on all threads when it is large
+            context = batch.key_valid.numel() * nkv * d
+            native_call = self._heavy if context >= PARALLEL_GATHER_MIN else _call
         # rows of the context blocks in a layer's store seen as [(K and V heads) * blocks, ...]
         head_offsets = torch.arange(2 * nkv, device=x.device)[:, None] * kv.num_blocks
         head_blocks = (head_offsets + batch.context_blocks.view(1, -1)).view(-1)
         decode_bias = None
-        if batch.decode_only:  # additive mask of missing context, shared by all layers
+        if batch.decode_only and native is None:  # mask of missing context, for all layers
             valid = batch.key_valid.repeat(nkv, 1)[:, None, :]  # (head, seq) major
             # Few keys in all: attention runs in fp32 (bf16 batched products cost a fixed
             # ~25 us each on the CPU, fp32 ones a third of it, which outweighs the
@@ -388,7 +397,13 @@ class LlamaModel:
             k_cache, v_cache = kv.k[i], kv.v[i]
             k_cache.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
             v_cache.index_copy_(1, batch.slot_mapping, v.view(n_tokens, nkv, d).transpose(0, 1))
-            out = self._attend(q, kv.layers[i], batch, decode_bias, head_blocks)
+            if native is not None:
+                out = native_call(
+                    native, q.contiguous(), kv.layers[i], batch.context_blocks,
+                    batch.context_lens, kv.block_size, d**-0.5,
+                )  # fmt: skip
+            else:
+                out = self._attend(q, kv.layers[i], batch, decode_bias, head_blocks)
             x = x + self._heavy(layer.o, out)
             h = _rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
             gate, up = self._heavy(layer.gate_up, h).chunk(2, dim=-1)

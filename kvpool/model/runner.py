@@ -117,6 +117,7 @@ class ModelRunner:
             attn_mask=mask[:, None].to(device),
             last_index=last_index.to(device),
             key_valid=(j[None, :] < ctx_t[:, None]).to(device),
+            context_lens=ctx_t.to(device),
             decode_only=q_max == 1,
             shared_prefixes=groups,
         )
