@@ -32,17 +32,27 @@ def _cpu_signature() -> str:
         return ""
 
 
+def _built(name: str) -> bool:
+    """Whether torch's loader has a build of ``name`` (it honours TORCH_EXTENSIONS_DIR)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+    except Exception:  # a private helper: if it moves, only the message is affected
+        return False
+
+
 @functools.cache
 def paged_decode_attention() -> Callable | None:
     """The native op, or None where it is disabled or cannot be built."""
     if os.environ.get("KVPOOL_NATIVE", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import get_default_build_root, load
+        from torch.utils.cpp_extension import load
 
         key = _SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode()
         name = "kvpool_paged_attention_" + hashlib.sha256(key).hexdigest()[:12]
-        if not (Path(get_default_build_root()) / name / f"{name}.so").exists():
+        if not _built(name):
             print("kvpool: compiling the native decode attention kernel (once, ~25 s)...",
                   file=sys.stderr, flush=True)  # fmt: skip
         module = load(
