@@ -69,3 +69,14 @@ def test_decode_steps_equal_the_torch_path(fp32_model):
         fp32_model.native_decode = native
     assert (with_native - torch_path).abs().max().item() < 1e-4
     assert with_native.argmax(-1).tolist() == torch_path.argmax(-1).tolist()
+
+
+def test_op_rejects_tables_that_would_read_out_of_the_store():
+    layer_kv = torch.zeros(4, 8 * 16, 64)
+    q = torch.zeros(1, 4, 64)
+    good = torch.tensor([[0, 7]])
+    assert native(q, layer_kv, good, torch.tensor([20]), 16, 0.125).shape == (1, 256)
+    with pytest.raises(RuntimeError, match="block id"):
+        native(q, layer_kv, torch.tensor([[0, 8]]), torch.tensor([20]), 16, 0.125)
+    with pytest.raises(RuntimeError, match="context length"):
+        native(q, layer_kv, good, torch.tensor([33]), 16, 0.125)

@@ -125,6 +125,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_k
               "int64 block tables and context lengths");
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
+  // Cheap checks (a few thousand integers) that keep a bad table from reading out of bounds.
+  TORCH_CHECK(tables.size(0) == q.size(0) && lens.size(0) == q.size(0), "one row per sequence");
+  TORCH_CHECK(layer_kv.size(0) % 2 == 0 && q.size(1) % (layer_kv.size(0) / 2) == 0,
+              "query heads in whole groups of the kv heads");
+  const int64_t store_blocks = layer_kv.size(1) / block_size;
+  const int64_t* t = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tables.numel(); ++i)
+    TORCH_CHECK(t[i] >= 0 && t[i] < store_blocks, "block id out of the store");
+  const int64_t* l = lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < lens.numel(); ++i)
+    TORCH_CHECK(l[i] >= 1 && l[i] <= tables.size(1) * block_size, "context length out of its table");
   auto out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   if (q.scalar_type() == at::kFloat) {
     dispatch_dim<float>(q, layer_kv, tables, lens, block_size, scale, out);
