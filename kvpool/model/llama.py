@@ -375,9 +375,9 @@ class LlamaModel:
         if native is not None:  # one op a layer, on all threads when it is large
             context = batch.key_valid.numel() * nkv * d
             native_call = self._heavy if context >= PARALLEL_GATHER_MIN else _call
-        # rows of the context blocks in a layer's store seen as [(K and V heads) * blocks, ...]
-        head_offsets = torch.arange(2 * nkv, device=x.device)[:, None] * kv.num_blocks
-        head_blocks = (head_offsets + batch.context_blocks.view(1, -1)).view(-1)
+        else:  # rows of the context blocks in a layer's store as [(K, V heads) * blocks, ...]
+            head_offsets = torch.arange(2 * nkv, device=x.device)[:, None] * kv.num_blocks
+            head_blocks = (head_offsets + batch.context_blocks.view(1, -1)).view(-1)
         decode_bias = None
         if batch.decode_only and native is None:  # mask of missing context, for all layers
             valid = batch.key_valid.repeat(nkv, 1)[:, None, :]  # (head, seq) major
