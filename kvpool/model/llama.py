@@ -68,7 +68,8 @@ INT4_MAX_ROWS = 4
 # attention in fp32 on the CPU (measured, 2 cores, one sequence: 128 keys 57 -> 33 us a
 # layer, 384 on par, 512 and any larger batch slower).
 FP32_ATTENTION_MAX_KEYS = 256
-# Gathers of fewer elements (per K or V) run on one thread even in a split step.
+# Context reads (the torch path's gathers, the native decode attention) over fewer
+# elements (per K or V) run on one thread even in a split step.
 PARALLEL_GATHER_MIN = 1 << 16
 
 
