@@ -24,6 +24,20 @@ namespace {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
+// The hardware prefetcher follows ascending runs and stops at each block's end, and a
+// sequence's blocks lie anywhere in the store: read token by token, a scattered block
+// table ran at half the speed of one in store order (batch 16 x 300 tokens, 30 layers:
+// 18.5 vs 10.5 ms). So the loops walk blocks, and each row read asks for the same slot
+// of the table's next block: 11.9 vs 10.4 ms with it. (Check with objdump that a change
+// keeps the prefetch instructions: gcc 12 dropped them from a variant that returned
+// early, and a lambda loop body cost 10% more.)
+template <typename T>
+inline void prefetch_row(const T* row, int64_t dim) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64)
+    __builtin_prefetch(p + off);
+}
+
 constexpr int kLanes = 16;  // partial sums kept apart so the compiler can vectorize dots
 
 // D: head_dim when it is a compile-time constant (the common sizes), 0 for any other.
@@ -55,22 +69,27 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& layer_kv,
       const T* k_head = kv_ptr + h * slots * dim;
       const T* v_head = kv_ptr + (kv_heads + h) * slots * dim;
       const int64_t* table = tables + b * max_blocks;
-      for (int64_t t = 0; t < len; ++t) {
-        const T* k = k_head + (table[t / block_size] * block_size + t % block_size) * dim;
-        float* key = row.data();
-        for (int64_t x = 0; x < dim; ++x) key[x] = to_float(k[x]);
-        for (int64_t j = 0; j < group; ++j) {
-          const float* qj = query.data() + j * dim;
-          float s = 0.f;
-          if (lanes_fit) {
-            float part[kLanes] = {0.f};
-            for (int64_t x = 0; x < dim; x += kLanes)
-              for (int l = 0; l < kLanes; ++l) part[l] += qj[x + l] * key[x + l];
-            for (int l = 0; l < kLanes; ++l) s += part[l];
-          } else {
-            for (int64_t x = 0; x < dim; ++x) s += qj[x] * key[x];
+      for (int64_t blk = 0, start = 0; start < len; ++blk, start += block_size) {
+        const T* base = k_head + table[blk] * block_size * dim;
+        const T* ahead = k_head + table[start + block_size < len ? blk + 1 : blk] * block_size * dim;
+        for (int64_t t = start; t < std::min(start + block_size, len); ++t) {
+          const T* k = base + (t - start) * dim;
+          prefetch_row(ahead + (t - start) * dim, dim);
+          float* key = row.data();
+          for (int64_t x = 0; x < dim; ++x) key[x] = to_float(k[x]);
+          for (int64_t j = 0; j < group; ++j) {
+            const float* qj = query.data() + j * dim;
+            float s = 0.f;
+            if (lanes_fit) {
+              float part[kLanes] = {0.f};
+              for (int64_t x = 0; x < dim; x += kLanes)
+                for (int l = 0; l < kLanes; ++l) part[l] += qj[x + l] * key[x + l];
+              for (int l = 0; l < kLanes; ++l) s += part[l];
+            } else {
+              for (int64_t x = 0; x < dim; ++x) s += qj[x] * key[x];
+            }
+            scores[j * len + t] = s;
           }
-          scores[j * len + t] = s;
         }
       }
       for (int64_t j = 0; j < group; ++j) {
@@ -85,14 +104,19 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& layer_kv,
         for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const T* v = v_head + (table[t / block_size] * block_size + t % block_size) * dim;
-        float* value = row.data();
-        for (int64_t x = 0; x < dim; ++x) value[x] = to_float(v[x]);
-        for (int64_t j = 0; j < group; ++j) {
-          const float p = scores[j * len + t];
-          float* aj = acc.data() + j * dim;
-          for (int64_t x = 0; x < dim; ++x) aj[x] += p * value[x];
+      for (int64_t blk = 0, start = 0; start < len; ++blk, start += block_size) {
+        const T* base = v_head + table[blk] * block_size * dim;
+        const T* ahead = v_head + table[start + block_size < len ? blk + 1 : blk] * block_size * dim;
+        for (int64_t t = start; t < std::min(start + block_size, len); ++t) {
+          const T* v = base + (t - start) * dim;
+          prefetch_row(ahead + (t - start) * dim, dim);
+          float* value = row.data();
+          for (int64_t x = 0; x < dim; ++x) value[x] = to_float(v[x]);
+          for (int64_t j = 0; j < group; ++j) {
+            const float p = scores[j * len + t];
+            float* aj = acc.data() + j * dim;
+            for (int64_t x = 0; x < dim; ++x) aj[x] += p * value[x];
+          }
         }
       }
       for (int64_t j = 0; j < group; ++j)
