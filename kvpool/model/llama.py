@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from kvpool.model.config import ModelConfig
 from kvpool.model.gguf_weights import Int4Weight, QuantizedRows
 from kvpool.model.kv_store import PagedKVStore
-from kvpool.model.native import paged_decode_attention
+from kvpool.model.native import native_ops
 
 
 @dataclass
@@ -219,9 +219,12 @@ class LlamaModel:
         # large gathers on this many (set by the runner for its SPLIT mode on the CPU).
         self.heavy_threads = 0
         self._fp32_attention = device.type == "cpu" and dtype != torch.float32
-        # Decode attention read straight from the store (kvpool.model.native), where built.
+        # Native ops (kvpool.model.native), where built: decode attention read straight
+        # from the store, and the fused residual/norm and rotary/K-V-write ops.
         cpu_dtype = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-        self.native_decode = paged_decode_attention() if cpu_dtype else None
+        ops = native_ops() if cpu_dtype else None
+        self.native_decode = ops.paged_decode_attention if ops is not None else None
+        self.native_fused = ops
 
     def _heavy(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a matrix product or a large gather on ``heavy_threads`` threads."""
@@ -368,7 +371,6 @@ class LlamaModel:
         """Logits of each sequence's last new token ``[B, vocab]`` (or of every new token,
         ``[T, vocab]``, with ``all_logits``)."""
         cfg = self.config
-        n_tokens = batch.input_ids.shape[0]
         nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos, sin_signed = self._rope(batch.positions)
         x = self.embed[batch.input_ids]
@@ -389,15 +391,16 @@ class LlamaModel:
             dtype = torch.float32 if self._fp32_attention and small else self.dtype
             decode_bias = torch.zeros(valid.shape, dtype=dtype, device=x.device)
             decode_bias.masked_fill_(~valid, float("-inf"))
+        fused = self.native_fused
+        if fused is not None:
+            cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
+        x, h = self._add_norm(x.contiguous(), None, self.layers[0].attn_norm)
         for i, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
             qkv = self._heavy(layer.qkv, h)
-            qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
-            qk = _rotate(qk.reshape(n_tokens, nh + nkv, d), cos, sin_signed)
-            q, k = qk[:, :nh], qk[:, nh:]
-            k_cache, v_cache = kv.k[i], kv.v[i]
-            k_cache.index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
-            v_cache.index_copy_(1, batch.slot_mapping, v.view(n_tokens, nkv, d).transpose(0, 1))
+            if fused is not None:
+                q = fused.rope_write_kv(qkv, cos, sin_signed, kv.layers[i], batch.slot_mapping, nh)
+            else:
+                q = self._rope_write_kv(qkv, cos, sin_signed, kv, i, batch.slot_mapping)
             if native is not None:
                 out = native_call(
                     native, q.contiguous(), kv.layers[i], batch.context_blocks,
@@ -405,11 +408,51 @@ class LlamaModel:
                 )  # fmt: skip
             else:
                 out = self._attend(q, kv.layers[i], batch, decode_bias, head_blocks)
-            x = x + self._heavy(layer.o, out)
-            h = _rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
+            x, h = self._add_norm(x, self._heavy(layer.o, out), layer.ffn_norm)
             gate, up = self._heavy(layer.gate_up, h).chunk(2, dim=-1)
-            x = x + self._heavy(layer.down, F.silu(gate) * up)
+            y = self._heavy(layer.down, F.silu(gate) * up)
+            if i + 1 < len(self.layers):
+                x, h = self._add_norm(x, y, self.layers[i + 1].attn_norm)
+            else:
+                x = x + y
         if not all_logits:
             x = x[batch.last_index]
         x = _rms_norm(x, self.final_norm, cfg.rms_norm_eps)
         return self._heavy(self.lm_head, x).float()
+
+    def _add_norm(
+        self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual ``x + y`` (``x`` alone without ``y``) and its RMSNorm.
+
+        In bfloat16 with the native ops, one fused op that adds in place: ``x`` must be
+        this step's own tensor (the embedding lookup made it). In float32, the reference
+        dtype, torch's norm is kept: the native one sums the squares in another order, a
+        few float32 ulps apart, which a random synthetic model amplified to 8e-3 in its
+        logits against transformers (the torch path: 1e-5)."""
+        fused = self.native_fused
+        if fused is not None and self.dtype == torch.bfloat16:
+            return x, fused.add_rms_norm_(x, y, weight, self.config.rms_norm_eps)
+        if y is not None:
+            x = x + y
+        return x, _rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _rope_write_kv(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        kv: PagedKVStore,
+        layer: int,
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """Q and K rotated, K and V written to the layer's store at the new tokens' slots
+        (the torch form of the native ``rope_write_kv``); returns Q ``[T, heads, dim]``."""
+        cfg = self.config
+        n_tokens, nh, nkv, d = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qk, v = qkv.split([cfg.q_size + cfg.kv_size, cfg.kv_size], dim=-1)
+        qk = _rotate(qk.reshape(n_tokens, nh + nkv, d), cos, sin_signed)
+        q, k = qk[:, :nh], qk[:, nh:]
+        kv.k[layer].index_copy_(1, slot_mapping, k.transpose(0, 1))
+        kv.v[layer].index_copy_(1, slot_mapping, v.view(n_tokens, nkv, d).transpose(0, 1))
+        return q

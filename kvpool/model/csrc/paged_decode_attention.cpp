@@ -13,7 +13,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
@@ -167,9 +166,4 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_k
     dispatch_dim<c10::BFloat16>(q, layer_kv, tables, lens, block_size, scale, out);
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV store (one query token per sequence)");
 }

@@ -1,0 +1,192 @@
+"""The native ops (``kvpool.model.native``) compute what the torch path computes: the
+decode attention against a plain softmax over each sequence's slots, the fused
+residual/norm and rotary/K-V-write ops against their torch forms (bit-identical in
+bf16), and whole prefill and decode steps of the model with and without them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F  # noqa: E402
+
+from kvpool.cache import KVCacheManager  # noqa: E402
+from kvpool.model.kv_store import PagedKVStore  # noqa: E402
+from kvpool.model.native import native_ops, paged_decode_attention  # noqa: E402
+from kvpool.model.runner import ModelRunner, SeqChunk  # noqa: E402
+
+native = paged_decode_attention()
+ops = native_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="native ops not built here")
+
+
+def _reference(q, layer_kv, tables, lens, block_size):
+    nkv = layer_kv.shape[0] // 2
+    b, nh, d = q.shape
+    rows = []
+    for i in range(b):
+        slots = (tables[i][:, None] * block_size + torch.arange(block_size)).reshape(-1)
+        slots = slots[: int(lens[i])]
+        keys, values = layer_kv[:nkv, slots].float(), layer_kv[nkv:, slots].float()
+        queries = q[i].float().view(nkv, nh // nkv, d)
+        probs = torch.softmax(queries @ keys.transpose(1, 2) * d**-0.5, dim=-1)
+        rows.append((probs @ values).reshape(-1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 4), (80, 32)])
+def test_op_matches_a_plain_softmax_over_each_sequence(dtype, head_dim, block_size):
+    gen = torch.Generator().manual_seed(head_dim)
+    nkv, nh, blocks = 2, 6, 40
+    layer_kv = torch.randn(2 * nkv, blocks * block_size, head_dim, generator=gen).to(dtype)
+    lens = torch.tensor([1, block_size, 3 * block_size + 1, 7 * block_size - 2])
+    tables = torch.stack([torch.randperm(blocks, generator=gen)[:7] for _ in lens])
+    q = torch.randn(len(lens), nh, head_dim, generator=gen).to(dtype)
+    got = native(q, layer_kv, tables, lens, block_size, head_dim**-0.5)
+    want = _reference(q, layer_kv, tables, lens, block_size)
+    assert got.dtype == dtype and got.shape == (len(lens), nh * head_dim)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (got.float() - want).abs().max().item() < tolerance
+
+
+def test_decode_steps_equal_the_torch_path(fp32_model):
+    rng = random.Random(3)
+    manager = KVCacheManager(128, 16)
+    runner = ModelRunner(fp32_model, manager, threads=None)
+    prompts = [[rng.randrange(3, 49000) for _ in range(n)] for n in (5, 16, 33, 200)]
+    for seq, prompt in enumerate(prompts):
+        manager.allocate(seq, prompt)
+        runner.forward([SeqChunk(seq, prompt, 0)])
+    chunks = []
+    for seq, prompt in enumerate(prompts):
+        manager.append(seq, [11 + seq])
+        chunks.append(SeqChunk(seq, [11 + seq], len(prompt)))
+    assert fp32_model.native_decode is native
+    with_native = runner.forward(chunks)
+    fp32_model.native_decode = None
+    try:
+        torch_path = runner.forward(chunks)
+    finally:
+        fp32_model.native_decode = native
+    assert (with_native - torch_path).abs().max().item() < 1e-4
+    assert with_native.argmax(-1).tolist() == torch_path.argmax(-1).tolist()
+
+
+def test_op_rejects_tables_that_would_read_out_of_the_store():
+    layer_kv = torch.zeros(4, 8 * 16, 64)
+    q = torch.zeros(1, 4, 64)
+    good = torch.tensor([[0, 7]])
+    assert native(q, layer_kv, good, torch.tensor([20]), 16, 0.125).shape == (1, 256)
+    with pytest.raises(RuntimeError, match="block id"):
+        native(q, layer_kv, torch.tensor([[0, 8]]), torch.tensor([20]), 16, 0.125)
+    with pytest.raises(RuntimeError, match="context length"):
+        native(q, layer_kv, good, torch.tensor([33]), 16, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_add_rms_norm_matches_torch(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=gen) * 3).to(dtype)
+    y = torch.randn(rows, 576, generator=gen).to(dtype)
+    weight = torch.randn(576, generator=gen).to(dtype)
+    want_x = x + y
+    want = F.rms_norm(want_x, (576,), weight, 1e-5)
+    got = ops.add_rms_norm_(x, y, weight, 1e-5)
+    assert torch.equal(x, want_x)  # the residual, in place, exactly torch's add
+    # The sum of 576 squares may add in another order: its float32 rounding moves the
+    # scale by a few float32 ulps, so bf16 results are one rounding apart at most.
+    rel = 2**-7 if dtype == torch.bfloat16 else 1e-6
+    assert ((got.float() - want.float()).abs() <= rel * want.float().abs() + 1e-6).all()
+    alone = ops.add_rms_norm_(want_x.clone(), None, weight, 1e-5)
+    assert torch.equal(alone, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 9, 40])
+def test_rope_write_kv_matches_the_torch_form(fp32_model, dtype, tokens):
+    cfg = fp32_model.config
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, cfg.q_size + 2 * cfg.kv_size, generator=gen).to(dtype)
+    positions = torch.randint(0, 4000, (tokens,), generator=gen)
+    cos, sin_signed = (t.to(dtype).contiguous() for t in fp32_model._rope(positions))
+    slots = torch.randperm(8 * 16, generator=gen)[:tokens]
+    stores = [PagedKVStore(cfg, 8, 16, dtype, torch.device("cpu")) for _ in range(2)]
+    want_q = fp32_model._rope_write_kv(qkv, cos, sin_signed, stores[0], 3, slots)
+    got_q = ops.rope_write_kv(qkv, cos, sin_signed, stores[1].layers[3], slots, cfg.num_heads)
+    assert got_q.shape == want_q.shape
+    if dtype == torch.bfloat16:  # every product and sum rounded where torch rounds
+        assert torch.equal(got_q, want_q)
+        assert torch.equal(stores[1].layers[3], stores[0].layers[3])
+    else:  # a fused multiply-add may round once where torch rounds twice
+        assert torch.allclose(got_q, want_q, atol=1e-6, rtol=0)
+        assert torch.allclose(stores[1].layers[3], stores[0].layers[3], atol=1e-6, rtol=0)
+    assert stores[1].layers[2].abs().sum() == 0  # other layers untouched
+
+
+def test_fused_ops_reject_bad_input():
+    x = torch.zeros(2, 8)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.add_rms_norm_(x, None, torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="y"):
+        ops.add_rms_norm_(x, torch.zeros(3, 8), torch.ones(8), 1e-5)
+    layer_kv = torch.zeros(2, 16, 4)
+    qkv, trig = torch.zeros(1, 12), torch.zeros(1, 1, 4)
+    assert ops.rope_write_kv(qkv, trig, trig, layer_kv, torch.tensor([15]), 1).shape == (1, 1, 4)
+    with pytest.raises(RuntimeError, match="slot"):
+        ops.rope_write_kv(qkv, trig, trig, layer_kv, torch.tensor([16]), 1)
+    with pytest.raises(RuntimeError, match="qkv"):
+        ops.rope_write_kv(torch.zeros(1, 10), trig, trig, layer_kv, torch.tensor([0]), 1)
+
+
+@pytest.fixture(scope="module")
+def bf16_model(default_model_file):
+    from kvpool.model.gguf_weights import load_gguf_weights
+    from kvpool.model.llama import LlamaModel
+
+    config, weights = load_gguf_weights(default_model_file)
+    return LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16)
+
+
+def _prefill_and_decode(model, fused):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 49000) for _ in range(n)] for n in (3, 40, 130)]
+    model.native_fused = fused
+    try:
+        manager = KVCacheManager(64, 16)
+        runner = ModelRunner(model, manager, threads=None)
+        for seq, prompt in enumerate(prompts):
+            manager.allocate(seq, prompt)
+        prefill = runner.forward([SeqChunk(s, p, 0) for s, p in enumerate(prompts)])
+        chunks = []
+        for seq, prompt in enumerate(prompts):
+            manager.append(seq, [7 + seq])
+            chunks.append(SeqChunk(seq, [7 + seq], len(prompt)))
+        return prefill, runner.forward(chunks)
+    finally:
+        model.native_fused = ops
+
+
+def test_fp32_steps_equal_the_unfused_steps(fp32_model):
+    """In float32 the rotary/K-V-write op is fused (the norm stays torch's)."""
+    fused, unfused = _prefill_and_decode(fp32_model, ops), _prefill_and_decode(fp32_model, None)
+    for got, want in zip(fused, unfused, strict=True):
+        assert (got - want).abs().max().item() < 1e-4
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+def test_bf16_steps_are_as_close_to_fp32_as_the_unfused_ones(fp32_model, bf16_model):
+    """In bf16 the norms are fused too; their sums of squares round differently, so the
+    logits move by a few bf16 ulps: they must stay as close to the float32 model's as
+    the torch path's are (measured: mean error 0.43 vs 0.45, 0.20 vs 0.21)."""
+    reference = _prefill_and_decode(fp32_model, None)
+    fused, unfused = _prefill_and_decode(bf16_model, ops), _prefill_and_decode(bf16_model, None)
+    for got, torch_path, want in zip(fused, unfused, reference, strict=True):
+        fused_error = (got.float() - want).abs().mean().item()
+        torch_error = (torch_path.float() - want).abs().mean().item()
+        assert fused_error < 1.1 * torch_error
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
