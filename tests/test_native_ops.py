@@ -190,3 +190,17 @@ def test_bf16_steps_are_as_close_to_fp32_as_the_unfused_ones(fp32_model, bf16_mo
         torch_error = (torch_path.float() - want).abs().mean().item()
         assert fused_error < 1.1 * torch_error
         assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+def test_sources_are_staged_beside_the_build(tmp_path):
+    """The build file names its sources' paths: staged copies keep one build valid for
+    every checkout that has the same sources."""
+    from kvpool.model import native as native_module
+
+    staged = native_module._staged_sources(tmp_path)
+    assert [p.name for p in staged] == [p.name for p in native_module._SOURCES]
+    assert all(p.parent == tmp_path / "src" for p in staged)
+    assert [p.read_bytes() for p in staged] == [p.read_bytes() for p in native_module._SOURCES]
+    before = [p.stat().st_mtime_ns for p in staged]
+    assert native_module._staged_sources(tmp_path) == staged
+    assert [p.stat().st_mtime_ns for p in staged] == before  # unchanged files not rewritten

@@ -41,14 +41,33 @@ def _cpu_signature() -> str:
         return ""
 
 
-def _built(name: str) -> bool:
-    """Whether torch's loader has a build of ``name`` (it honours TORCH_EXTENSIONS_DIR)."""
+def _build_directory(name: str) -> Path | None:
+    """Where torch's loader builds ``name`` (it honours TORCH_EXTENSIONS_DIR)."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
-    except Exception:  # a private helper: if it moves, only the message is affected
-        return False
+        return Path(_get_build_directory(name, verbose=False))
+    except Exception:  # a private helper: if it moves, only the message and the copy go
+        return None
+
+
+def _staged_sources(build_dir: Path | None) -> list[Path]:
+    """The sources, copied beside the build: the loader's build file names its sources'
+    paths and rebuilds when they change, so the same sources in another checkout or
+    virtual environment would be compiled again (silently, 30 s) without this."""
+    if build_dir is None:
+        return _SOURCES
+    staged = []
+    for path in _SOURCES:
+        target = build_dir / "src" / path.name
+        content = path.read_bytes()
+        if not target.exists() or target.read_bytes() != content:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_bytes(content)
+            os.replace(partial, target)  # atomic: a concurrent loader sees whole files
+        staged.append(target)
+    return staged
 
 
 @functools.cache
@@ -57,15 +76,21 @@ def native_ops() -> ModuleType | None:
     if os.environ.get("KVPOOL_NATIVE", "1") == "0":
         return None
     try:
+        import torch
         from torch.utils.cpp_extension import load
 
+        # One build per sources, flags, CPU and torch install (its headers' path is in
+        # the build file, and another torch needs its own build).
         key = b"".join(path.read_bytes() for path in _SOURCES)
         key += " ".join(_FLAGS).encode() + _cpu_signature().encode()
+        key += f"{torch.__version__} {Path(torch.__file__).parent}".encode()
         name = "kvpool_native_" + hashlib.sha256(key).hexdigest()[:12]
-        if not _built(name):
+        build_dir = _build_directory(name)
+        sources = _staged_sources(build_dir)
+        if build_dir is None or not (build_dir / f"{name}.so").exists():
             print("kvpool: compiling the native ops (once, ~30 s)...", file=sys.stderr, flush=True)
         return load(
-            name=name, sources=[str(path) for path in _SOURCES], extra_cflags=_FLAGS,
+            name=name, sources=[str(path) for path in sources], extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"], verbose=False,
         )  # fmt: skip
     except Exception as exc:  # no compiler, no headers, an unsupported platform
