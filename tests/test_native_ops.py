@@ -148,8 +148,9 @@ def bf16_model(default_model_file):
     from kvpool.model.gguf_weights import load_gguf_weights
     from kvpool.model.llama import LlamaModel
 
-    config, weights = load_gguf_weights(default_model_file)
-    return LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16)
+    rows: dict = {}  # as the loader does: the Q8_0 embedding kept in its blocks
+    config, weights = load_gguf_weights(default_model_file, torch.bfloat16, rows=rows)
+    return LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, rows=rows)
 
 
 def _prefill_and_decode(model, fused):
@@ -204,3 +205,51 @@ def test_sources_are_staged_beside_the_build(tmp_path):
     before = [p.stat().st_mtime_ns for p in staged]
     assert native_module._staged_sources(tmp_path) == staged
     assert [p.stat().st_mtime_ns for p in staged] == before  # unchanged files not rewritten
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_q8_0_matvec_matches_the_dequantized_product(dtype, rows):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(300, 96, generator=gen).numpy()
+    raw = quantize(weight, GGMLQuantizationType.Q8_0)  # uint8 [300, 3 * 34]
+    exact = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0))
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    got = ops.q8_0_matvec(x, torch.from_numpy(raw))
+    assert got.dtype == torch.float32 and got.shape == (rows, 300)
+    assert (got - x.float() @ exact.T).abs().max().item() < 1e-4
+
+
+def test_q8_0_matvec_rejects_bad_input():
+    raw = torch.zeros(4, 34, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="raw"):
+        ops.q8_0_matvec(torch.zeros(1, 64), raw)
+    with pytest.raises(RuntimeError, match="rows"):
+        ops.q8_0_matvec(torch.zeros(9, 32), raw)
+
+
+def test_bf16_batch_one_head_reads_the_q8_0_embedding(fp32_model, bf16_model):
+    """The default model's tied head is Q8_0 in the file: one-row steps read those blocks
+    and give float32 logits from the exact weights, closer to the float32 model's than
+    the bf16 product's (which rounds weights and logits to bf16)."""
+    assert bf16_model.q8_head is not None and fp32_model.q8_head is None
+    prompt = [(13 * i) % 40000 + 3 for i in range(50)]
+    logits = {}
+    for name, model in (("fp32", fp32_model), ("q8", bf16_model), ("bf16", bf16_model)):
+        saved = model.q8_head
+        if name == "bf16":
+            model.q8_head = None
+        try:
+            manager = KVCacheManager(16, 16)
+            runner = ModelRunner(model, manager, threads=None)
+            manager.allocate(0, prompt)
+            logits[name] = runner.forward([SeqChunk(0, prompt, 0)]).float()
+        finally:
+            model.q8_head = saved
+    q8_error = (logits["q8"] - logits["fp32"]).abs().mean().item()
+    bf16_error = (logits["bf16"] - logits["fp32"]).abs().mean().item()
+    assert q8_error < bf16_error
+    assert logits["q8"].argmax(-1).tolist() == logits["fp32"].argmax(-1).tolist()
