@@ -9,11 +9,13 @@
   embedding of Q and K and the K/V writes into the store) fuse the small ops around a
   layer's matrix products, each several torch kernels with a fixed cost that dominates
   at one decoded token.
+- ``q8_0_matvec`` computes the head of one- and two-row steps from a tied embedding's
+  Q8_0 blocks (half the bytes of a bf16 copy, float32 logits).
 
 It needs a C++ compiler; the first build takes about 30 s and is cached (torch's
-extensions directory, one build per sources, flags and CPU). Where it cannot be built, or
-with ``KVPOOL_NATIVE=0``, the runtime uses its torch path, which computes the same
-(tests compare the two).
+extensions directory, one build per sources, flags, CPU and torch install). Where it
+cannot be built, or with ``KVPOOL_NATIVE=0``, the runtime uses its torch path, which
+computes the same (tests compare the two).
 """
 
 from __future__ import annotations
