@@ -20,3 +20,14 @@ def test_generate_answers_with_the_default_model(capsys):
 def test_unknown_model_is_a_clear_error(capsys):
     assert main(["generate", "hi", "--model", "no-such-model:7b", "--quiet"]) == 2
     assert "never downloads" in capsys.readouterr().err
+
+
+def test_load_time_leaves_out_a_native_build(fp32_model, default_model_file):
+    """The first start of an install builds the native ops (~30 s): the report names it
+    apart instead of calling it load time."""
+    from kvpool.model.loader import LoadedModel
+
+    loaded = LoadedModel(default_model_file, fp32_model.config, fp32_model, None, 1.25, 0.3)
+    assert "loaded in 1.25 s" in loaded.describe() and "native" not in loaded.describe()
+    loaded.native_seconds = 31.0
+    assert "loaded in 1.25 s (native ops built in 31 s, once)" in loaded.describe()

@@ -20,6 +20,7 @@ from kvpool.formats.gguf_header import read_gguf_header
 from kvpool.model.config import ModelConfig
 from kvpool.model.gguf_weights import load_gguf_weights
 from kvpool.model.llama import LlamaModel
+from kvpool.model.native import native_ops
 from kvpool.model.runner import ModelRunner
 from kvpool.model.tokenizer import Tokenizer
 from kvpool.model_store import resolve_model_path
@@ -52,6 +53,7 @@ class LoadedModel:
     model: LlamaModel
     tokenizer: Tokenizer
     load_seconds: float
+    native_seconds: float = 0.0  # readying the native ops: a build on an install's first start
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -73,6 +75,8 @@ class LoadedModel:
             f"  {self.model.dtype} on {self.model.device}, KV {self.kv_bytes_per_token:,} "
             f"bytes per token, loaded in {self.load_seconds:.2f} s",
         ]
+        if self.native_seconds >= 2:  # a build, once per install: not part of loading
+            lines[-1] += f" (native ops built in {self.native_seconds:.0f} s, once)"
         if runner is not None:
             m = runner.manager
             lines.append(
@@ -112,10 +116,14 @@ def load_model(
 
     ``int4``: on the CPU in bfloat16, also keep Q4_0 / Q4_1 weights in torch's int4
     layout for small steps (see ``llama.Linear``)."""
-    start = time.perf_counter()
     path = resolve_model_path(name)
     dev = choose_device(device)
     torch_dtype = choose_dtype(dtype, dev)
+    native_start = time.perf_counter()
+    if dev.type == "cpu":
+        native_ops()  # built once per install (~30 s, with a line saying so), then cached
+    start = time.perf_counter()
+    native_seconds = start - native_start
     header = read_gguf_header(path)
     tokenizer = Tokenizer.from_gguf(header)
     bar = Progress(f"loading {path.name}", len(header.tensors)) if progress else None
@@ -136,7 +144,9 @@ def load_model(
     model = LlamaModel(config, weights, dev, torch_dtype, int4_weights, rows)
     del weights, int4_weights, rows
     _release_heap_memory()
-    loaded = LoadedModel(path, config, model, tokenizer, time.perf_counter() - start)
+    loaded = LoadedModel(
+        path, config, model, tokenizer, time.perf_counter() - start, native_seconds
+    )
     if progress:
         print(loaded.describe(), file=sys.stderr)
     return loaded
