@@ -147,6 +147,12 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& layer_kv,
   T* out_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   const bool lanes_fit = dim % kLanes == 0;
+#if defined(__AVX512BF16__)
+  // Key dots straight from bf16 q and k (dot_bf16); the fp32 query copy is then unused.
+  constexpr bool bf16_dots = std::is_same_v<T, c10::BFloat16> && D > 0 && D % 32 == 0;
+#else
+  constexpr bool bf16_dots = false;
+#endif
 
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(group * dim), query(group * dim), row(dim);
@@ -154,9 +160,11 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& layer_kv,
       const int64_t b = item / kv_heads, h = item % kv_heads;
       const int64_t len = lens[b];
       scores.resize(group * len);
-      for (int64_t j = 0; j < group; ++j)
-        for (int64_t x = 0; x < dim; ++x)
-          query[j * dim + x] = to_float(q_ptr[(b * num_heads + h * group + j) * dim + x]) * fscale;
+      if constexpr (!bf16_dots) {
+        for (int64_t j = 0; j < group; ++j)
+          for (int64_t x = 0; x < dim; ++x)
+            query[j * dim + x] = to_float(q_ptr[(b * num_heads + h * group + j) * dim + x]) * fscale;
+      }
       const T* k_head = kv_ptr + h * slots * dim;
       const T* v_head = kv_ptr + (kv_heads + h) * slots * dim;
       const int64_t* table = tables + b * max_blocks;
@@ -166,7 +174,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& layer_kv,
           const T* k = base + (t - start) * dim;
           prefetch_row(ahead + (t - start) * dim, dim);
 #if defined(__AVX512BF16__)
-          if constexpr (std::is_same_v<T, c10::BFloat16> && D > 0 && D % 32 == 0) {
+          if constexpr (bf16_dots) {
             for (int64_t j = 0; j < group; ++j) {
               const T* qj = q_ptr + (b * num_heads + h * group + j) * dim;
               scores[j * len + t] = dot_bf16<D>(qj, k) * fscale;

@@ -11,11 +11,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <cstring>
-#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
