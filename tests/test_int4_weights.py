@@ -8,8 +8,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvpool.model.cpu import cpu_features  # noqa: E402
 from kvpool.model.gguf_weights import load_gguf_weights  # noqa: E402
 from tests.synthetic_gguf import write_model  # noqa: E402
+
+needs_bf16_products = pytest.mark.skipif(
+    not cpu_features().bf16_products,
+    reason=f"the int4 path runs only with hardware bf16 products ({cpu_features().summary()})",
+)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -28,6 +34,7 @@ def test_int4_layout_reproduces_the_file_weights(tmp_path: Path, arch: str):
         assert (got - want).abs().max() <= 0.02 * want.abs().max(), name
 
 
+@needs_bf16_products
 def test_bf16_with_int4_agrees_with_fp32_on_the_default_model(fp32_model):
     from kvpool.cache import KVCacheManager
     from kvpool.model.loader import load_model

@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
 from kvpool.cache import KVCacheManager  # noqa: E402
+from kvpool.model.cpu import cpu_features  # noqa: E402
 from kvpool.model.kv_store import PagedKVStore  # noqa: E402
 from kvpool.model.native import native_ops, paged_decode_attention  # noqa: E402
 from kvpool.model.runner import ModelRunner, SeqChunk  # noqa: E402
@@ -231,6 +232,10 @@ def test_q8_0_matvec_rejects_bad_input():
         ops.q8_0_matvec(torch.zeros(9, 32), raw)
 
 
+@pytest.mark.skipif(
+    not cpu_features().bf16_products,
+    reason=f"the Q8_0 head rides with prepacked bf16 weights ({cpu_features().summary()})",
+)
 def test_bf16_batch_one_head_reads_the_q8_0_embedding(fp32_model, bf16_model):
     """The default model's tied head is Q8_0 in the file: one-row steps read those blocks
     and give float32 logits from the exact weights, closer to the float32 model's than

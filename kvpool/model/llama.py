@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpool.model.config import ModelConfig
+from kvpool.model.cpu import cpu_features
 from kvpool.model.gguf_weights import Int4Weight, QuantizedRows
 from kvpool.model.kv_store import PagedKVStore
 from kvpool.model.native import native_ops
@@ -104,7 +105,7 @@ class Linear:
         self.numel_ = weight.numel() + (bias.numel() if bias is not None else 0)
         self.packed = None
         self.int4 = None
-        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _can_prepack():
+        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and can_prepack():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             self.weight = None  # the packed copy is the only one kept
             if int4 is not None:
@@ -122,11 +123,10 @@ class Linear:
         return self.numel_
 
 
-def _can_prepack() -> bool:
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+def can_prepack() -> bool:
+    """bf16 weights are prepacked for oneDNN (and the int4 and Q8_0 paths ride with them)
+    only where the CPU runs bf16 products in hardware: elsewhere oneDNN emulates them."""
+    return cpu_features().bf16_products
 
 
 @dataclass

@@ -1,0 +1,85 @@
+"""What this CPU can do, read once at run time: the runtime chooses kernels and dtypes by
+it (never by what the machine that built or tested kvpool had).
+
+Features come from the CPUID instruction through torch's ``cpuinfo`` (what the process
+may really execute: a virtual machine or an emulator that hides AVX-512 hides it here
+too), not from ``/proc/cpuinfo``, which an emulator passes through from the host.
+``KVPOOL_CPU_FEATURES`` narrows them for tests and experiments: a comma list of the
+features to keep (``avx2``, or ``none``); it can only take features away.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    arch: str  # platform.machine(): x86_64, aarch64, ...
+    model: str  # the model name the OS reports
+    avx2: bool  # with FMA: the x86-64 baseline this project's kernels are written for
+    avx512: bool  # AVX-512 F/BW/VL/DQ
+    avx512_vnni: bool  # int8 dot products (VPDPBUSD)
+    avx512_bf16: bool  # bf16 dot products (VDPBF16PS)
+    amx: bool  # AMX tiles
+    bf16_products: bool  # oneDNN runs bf16 matrix products in hardware (AVX-512 BF16 / AMX)
+
+    def summary(self) -> str:
+        """One line: model, architecture and the features that decide kernels."""
+        names = [f.name for f in fields(self) if f.type == "bool" and getattr(self, f.name)]
+        names = [n for n in names if n != "bf16_products"]
+        have = " ".join(n.upper().replace("_", "-") for n in names) or "no SIMD extensions used"
+        return f"{self.model} ({self.arch}): {have}"
+
+
+def _model_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith(("model name", "Model", "Hardware")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _probe(name: str) -> bool:
+    import torch
+
+    fn = getattr(torch.cpu, name, None)
+    try:
+        return bool(fn()) if fn is not None else False
+    except RuntimeError:
+        return False
+
+
+def _mkldnn_bf16() -> bool:
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@functools.cache
+def cpu_features() -> CpuFeatures:
+    """This CPU's features (narrowed by ``KVPOOL_CPU_FEATURES`` where set)."""
+    found = {
+        "avx2": _probe("_is_avx2_supported"),
+        "avx512": _probe("_is_avx512_supported"),
+        "avx512_vnni": _probe("_is_avx512_supported") and _probe("_is_vnni_supported"),
+        "avx512_bf16": _probe("_is_avx512_bf16_supported"),
+        "amx": _probe("_is_amx_tile_supported"),
+        "bf16_products": _mkldnn_bf16(),
+    }
+    keep = os.environ.get("KVPOOL_CPU_FEATURES")
+    if keep is not None:
+        allowed = {name.strip() for name in keep.split(",")}
+        found = {name: has and name in allowed for name, has in found.items()}
+        # oneDNN reads the CPU itself: its bf16 products go with the features behind them
+        found["bf16_products"] = _mkldnn_bf16() and (found["avx512_bf16"] or found["amx"])
+    return CpuFeatures(arch=platform.machine(), model=_model_name(), **found)
