@@ -452,3 +452,25 @@ def test_each_block_is_hashed_once():
     m.mark_computed("b", 20)
     m.mark_computed("b", 40)
     assert len(calls) == 10  # lookup of block 0 (a miss) reused, then each block once
+
+
+def test_a_salts_pins_are_capped_apart_from_the_pool_and_listed():
+    m = make(16, max_pinned_fraction=0.5)  # eight blocks in all
+    for salt in ("a", "b"):
+        m.allocate(salt, list(range(16)), salt=salt)
+        m.free(salt)
+    assert m.pin(range(8), "a", max_salt_blocks=2) == 8
+    assert m.pin(range(8), "a", max_salt_blocks=2) == 8  # the same pin again: no-op
+    with pytest.raises(PinLimitExceeded, match="this tenant's pin limit"):
+        m.pin(range(12), "a", max_salt_blocks=2)  # one block more than a's share
+    assert m.pinned_blocks_of("a") == 2
+    assert m.pin(range(12), "b", max_salt_blocks=3) == 12  # b has its own share
+    assert [(p.salt, len(p.token_ids), p.num_blocks) for p in m.pins()] == [
+        (b"a", 8, 2),
+        (b"b", 12, 3),
+    ]
+    assert m.stats().pinned_blocks == 5
+    assert m.reset_prefix_cache() == 3  # the unpinned blocks of the 8 cached
+    assert m.stats().pinned_blocks == 5  # the pins kept
+    assert m.reset_prefix_cache(unpin=True) == 5
+    assert m.pins() == [] and m.stats().pinned_blocks == 0

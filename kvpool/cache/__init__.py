@@ -15,7 +15,7 @@ from kvpool.cache.errors import (
 )
 from kvpool.cache.geometry import KV_DTYPE_BYTES, ModelGeometry, kv_dtype_bytes
 from kvpool.cache.hashing import BlockHash, HashFn, Salt, hash_block
-from kvpool.cache.manager import Allocation, KVCacheManager, SeqId
+from kvpool.cache.manager import Allocation, KVCacheManager, PinInfo, SeqId
 from kvpool.cache.stats import CacheStats
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "ModelGeometry",
     "NotPinned",
     "OutOfBlocks",
+    "PinInfo",
     "PinLimitExceeded",
     "Salt",
     "SeqId",

@@ -34,12 +34,12 @@ class SequenceExists(CacheError, ValueError):
 class PinLimitExceeded(CacheError):
     """Pinning would exceed the share of the pool that pins may hold."""
 
-    def __init__(self, requested: int, pinned: int, limit: int) -> None:
+    def __init__(self, requested: int, pinned: int, limit: int, whose: str = "the ") -> None:
         self.requested = requested
         self.pinned = pinned
         self.limit = limit
         super().__init__(
-            f"pinning {requested} more blocks would exceed the pin limit "
+            f"pinning {requested} more blocks would exceed {whose}pin limit "
             f"({pinned} pinned, limit {limit})"
         )
 

@@ -45,6 +45,16 @@ class Allocation:
     num_cached_tokens: int
 
 
+@dataclass(frozen=True)
+class PinInfo:
+    """One pin: the prefix's tokens, the salt it was pinned under (``b""``: none, as for
+    a prefix shared by every tenant) and the full blocks it holds."""
+
+    salt: bytes
+    token_ids: tuple[int, ...]
+    num_blocks: int
+
+
 @dataclass(slots=True)
 class _Sequence:
     blocks: list[Block]
@@ -292,11 +302,17 @@ class KVCacheManager:
             self.pool.release(block)
 
     # -- pins ----------------------------------------------------------------------------
-    def pin(self, token_ids: Sequence[int], salt: Salt = None) -> int:
+    def pin(
+        self, token_ids: Sequence[int], salt: Salt = None, *, max_salt_blocks: int | None = None
+    ) -> int:
         """Pin the cached full blocks of ``token_ids``'s longest cached prefix so they are
         never evicted. Returns the number of tokens pinned (0 if nothing was cached: the
         caller computes the prefix first, e.g. by running it as a sequence). Pinning the
-        same tokens again is a no-op."""
+        same tokens again is a no-op.
+
+        Two caps, checked before anything is pinned (``PinLimitExceeded``): the pool's
+        (``max_pinned_fraction``) and, with ``max_salt_blocks``, the blocks that this
+        salt's pins may hold together (a tenant's share of the pin budget)."""
         tokens = list(token_ids)
         salt_b = salt_bytes(salt)
         key = (salt_b, tuple(tokens))
@@ -305,6 +321,11 @@ class KVCacheManager:
         hits, _ = self._match_prefix(tokens, salt_b, len(tokens) // self.block_size)
         if not hits:
             return 0
+        if max_salt_blocks is not None:
+            held = self._salt_pinned_blocks(salt_b)
+            more = sum(1 for block in hits if block.block_id not in held)
+            if len(held) + more > max_salt_blocks:
+                raise PinLimitExceeded(more, len(held), max_salt_blocks, "this tenant's ")
         newly_pinned = sum(1 for block in hits if block.pin_count == 0)
         if self.pool.num_pinned + newly_pinned > self.pool.max_pinned_blocks:
             raise PinLimitExceeded(newly_pinned, self.pool.num_pinned, self.pool.max_pinned_blocks)
@@ -312,6 +333,17 @@ class KVCacheManager:
             self.pool.pin(block)
         self._pins[key] = hits
         return len(hits) * self.block_size
+
+    def pins(self) -> list[PinInfo]:
+        """Every pin, in the order they were made."""
+        return [PinInfo(salt, tokens, len(blocks)) for (salt, tokens), blocks in self._pins.items()]
+
+    def pinned_blocks_of(self, salt: Salt) -> int:
+        """Distinct blocks held by the pins made under ``salt``."""
+        return len(self._salt_pinned_blocks(salt_bytes(salt)))
+
+    def _salt_pinned_blocks(self, salt: bytes) -> set[int]:
+        return {b.block_id for (s, _), blocks in self._pins.items() if s == salt for b in blocks}
 
     def unpin(self, token_ids: Sequence[int], salt: Salt = None) -> None:
         """Undo ``pin`` of the same tokens and salt; the blocks stay cached, evictable."""
@@ -321,8 +353,12 @@ class KVCacheManager:
         for block in reversed(blocks):
             self.pool.unpin(block)
 
-    def reset_prefix_cache(self) -> int:
-        """Forget all cached content not in use or pinned; returns the blocks dropped."""
+    def reset_prefix_cache(self, *, unpin: bool = False) -> int:
+        """Forget all cached content not in use or pinned; returns the blocks dropped.
+        With ``unpin``, every pin is dropped first (its blocks then go too)."""
+        if unpin:
+            for salt, tokens in list(self._pins):
+                self.unpin(tokens, salt)
         return self.pool.reset_prefix_cache()
 
     # -- measurement ---------------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import queue
@@ -30,8 +31,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvpool.cache import CacheStats
-from kvpool.engine.errors import EngineStopped
+from kvpool.cache import CacheStats, PinInfo
+from kvpool.engine.errors import EngineStopped, RequestFailed
 from kvpool.engine.llm import LLM
 from kvpool.engine.request import Request, Status
 from kvpool.engine.sampling import SamplingParams
@@ -56,14 +57,32 @@ class Delta:
 
 
 @dataclass(frozen=True)
+class TenantSnapshot:
+    """One tenant's (cache salt's) part of the engine: what it runs, waits for, was
+    served from the cache and holds pinned."""
+
+    running: int = 0
+    waiting: int = 0
+    admitted: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    pinned_blocks: int = 0
+    pins: int = 0
+
+
+@dataclass(frozen=True)
 class EngineSnapshot:
-    """The engine's counters after its latest step (read from any thread)."""
+    """The engine's counters after its latest step (read from any thread, never
+    waiting for one: the engine thread replaces it after every step and command)."""
 
     cache: CacheStats
     running: int
     waiting: int
     preemptions: int
     steps: int
+    max_pinned_blocks: int = 0
+    tenants: dict[str | None, TenantSnapshot] = field(default_factory=dict)
+    pins: tuple[PinInfo, ...] = ()
 
 
 @dataclass
@@ -76,13 +95,21 @@ class _Stream:
     texts: dict[int, TextStream] = field(default_factory=dict)
     sent_tokens: dict[int, int] = field(default_factory=dict)
     open_samples: int = 1
-    pin: str | None = None  # a pin_prefix request ("own" or "shared"): pin when it ends
+    # a pin_prefix request ("own" or "shared", the salt's cap): pin when it ends
+    pin: tuple[str, int | None] | None = None
 
     def put(self, item: Any) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        _post(self.loop, self.queue.put_nowait, item)
 
 
 _STOP = object()
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn(*args)`` on ``loop`` (from the engine thread); nothing once the loop is
+    closed (the server stopped: nobody is left to read a result)."""
+    with contextlib.suppress(RuntimeError):  # "Event loop is closed"
+        loop.call_soon_threadsafe(fn, *args)
 
 
 class RequestStream:
@@ -113,7 +140,11 @@ class RequestStream:
             yield item
 
     def cancel(self) -> None:
+        """End the stream now (a consumer waiting on it wakes up) and cancel the request
+        on the engine thread (its blocks are freed before the next step)."""
         if not self.done:
+            self.done = True
+            self._deltas.put_nowait(None)
             self.engine.cancel(self.request_id)
 
 
@@ -125,9 +156,12 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
+        self._adding = 0  # requests handed to the engine thread, not yet added (loop side)
         self._steps = 0
         self._thread = threading.Thread(target=self._loop, name="kvpool-engine", daemon=True)
         self._stopped = threading.Event()
+        self._pins: tuple[PinInfo, ...] = ()  # refreshed when a pin command runs
+        self._pins_by_salt: dict[str | None, tuple[int, int]] = {}  # pins, pinned blocks
         self.snapshot = self._snapshot()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -168,19 +202,42 @@ class AsyncLLM:
         params: SamplingParams,
         salt: str | None,
         request_id: str,
-        pin: str | None = None,
+        pin: tuple[str, int | None] | None = None,
     ) -> asyncio.Queue[Any]:
-        """Add the request on the engine thread; the queue its results will arrive on."""
+        """Check the request here, on the event loop (a refusal raises before any answer
+        is sent), and hand it to the engine thread without waiting for it: a step in
+        progress delays the request's admission, never its caller, so a client that
+        leaves while the engine is inside a long step is let go (and counted) at once,
+        and its cancel, queued behind the add, takes it out before any step admits it.
+        The queue its results will arrive on."""
+        engine = self.engine
+        engine.check_request(ids, params)
+        if engine.max_queue is not None:
+            queued = len(engine.scheduler.waiting) + self._adding
+            if queued >= engine.max_queue:
+                raise engine.queue_full(queued)
         loop = asyncio.get_running_loop()
         results: asyncio.Queue[Any] = asyncio.Queue()
+        self._adding += 1
+
+        def added() -> None:
+            self._adding -= 1
 
         def add() -> None:
-            request = self.engine.add_request(ids, params, request_id=request_id, salt=salt)
-            self._streams[request_id] = _Stream(
-                request, loop, results, open_samples=params.n, pin=pin
-            )
+            try:
+                request = engine.add_request(ids, params, request_id=request_id, salt=salt)
+                self._streams[request_id] = _Stream(
+                    request, loop, results, open_samples=params.n, pin=pin
+                )
+            except Exception as exc:  # raced past the checks above: the stream says so
+                _post(loop, results.put_nowait, exc)
+            finally:
+                _post(loop, added)
 
-        await self._call(add)
+        add.refuse = lambda exc: _post(loop, results.put_nowait, exc)  # type: ignore[attr-defined]
+        self._commands.put(add)
+        if self._stopped.is_set():  # the thread may be gone: nobody else will answer
+            self._drain_stopped()
         return results
 
     async def generate(
@@ -205,18 +262,24 @@ class AsyncLLM:
         self._commands.put(lambda: self._cancel(request_id))
 
     async def pin_prefix(
-        self, prompt_ids: Sequence[int], *, salt: str | None = None, shared: bool = False
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        salt: str | None = None,
+        shared: bool = False,
+        max_salt_blocks: int | None = None,
     ) -> int:
         """Compute a prefix once (if it is not cached) and pin its full blocks; returns
         the number of tokens pinned. ``shared``: pinned for every tenant (no salt), and
-        salted requests that start with it share its blocks."""
+        salted requests that start with it share its blocks. ``max_salt_blocks``: the
+        blocks this salt's pins may hold together (a tenant's share of the budget)."""
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         done = await self._enqueue(
             list(prompt_ids),
             params,
             None if shared else salt,
             f"pin{next(self._ids)}",
-            pin="shared" if shared else "own",
+            pin=("shared" if shared else "own", max_salt_blocks),
         )
         item = await done.get()  # the pinned token count, or the error
         if isinstance(item, BaseException):
@@ -234,13 +297,22 @@ class AsyncLLM:
             self.engine.manager.unpin(ids, None if shared else salt)
             if shared:
                 self.engine.shared_prefixes.discard(tuple(ids))
+            self._pins_changed()
 
         await self._call(unpin)
 
-    async def reset_prefix_cache(self) -> int:
+    async def reset_prefix_cache(self, *, unpin: bool = False) -> int:
         """Drop every cached block that no request holds and no pin keeps; returns how
-        many were dropped."""
-        return await self._call(self.engine.manager.reset_prefix_cache)
+        many were dropped. ``unpin``: drop every pin first."""
+
+        def reset() -> int:
+            dropped = self.engine.manager.reset_prefix_cache(unpin=unpin)
+            if unpin:
+                self.engine.shared_prefixes.clear()
+                self._pins_changed()
+            return dropped
+
+        return await self._call(reset)
 
     async def stats(self) -> EngineSnapshot:
         """A fresh snapshot, taken on the engine thread between steps."""
@@ -263,6 +335,8 @@ class AsyncLLM:
                 return
             if isinstance(command, tuple) and not command[1].done():
                 command[1].set_exception(EngineStopped("the engine is shut down"))
+            elif hasattr(command, "refuse"):  # a request handed over, never added
+                command.refuse(EngineStopped("the engine is shut down"))
 
     def _loop(self) -> None:
         while True:
@@ -314,6 +388,9 @@ class AsyncLLM:
                 stream.sent_tokens[i] = 0
             text = stream.texts[i]
             finished = request.status is Status.FINISHED
+            if request.finish_reason == "error":  # this request alone failed in the step
+                self._end_stream(base, stream, RequestFailed(request.error or "internal error"))
+                continue
             delta_text = text.update(request.output_ids, final=finished)
             if text.stopped and not finished:  # a stop string: end it now, free its blocks
                 self.engine.cancel(request.request_id)
@@ -347,13 +424,33 @@ class AsyncLLM:
         """Pin the prompt's blocks right after the request freed them (same thread, no
         step in between, so nothing can have evicted them)."""
         del self._streams[request.request_id]
+        assert stream.pin is not None
+        kind, cap = stream.pin
         try:
-            pinned = self.engine.manager.pin(request.prompt_ids, request.salt)
-            if stream.pin == "shared" and pinned:
+            pinned = self.engine.manager.pin(request.prompt_ids, request.salt, max_salt_blocks=cap)
+            if kind == "shared" and pinned:
                 self.engine.shared_prefixes.add(tuple(request.prompt_ids))
+            self._pins_changed()
             stream.put(pinned)
         except Exception as exc:
             stream.put(exc)
+
+    def _pins_changed(self) -> None:
+        """Refresh what snapshots say of pins (only pin commands change them)."""
+        manager = self.engine.manager
+        self._pins = tuple(manager.pins())
+        self._pins_by_salt = {}
+        for pin in self._pins:
+            salt = pin.salt.decode() or None
+            count, _ = self._pins_by_salt.get(salt, (0, 0))
+            self._pins_by_salt[salt] = (count + 1, manager.pinned_blocks_of(salt))
+
+    def _end_stream(self, request_id: str, stream: _Stream, exc: BaseException) -> None:
+        """End every sample of a request with ``exc`` (the stream's consumer raises it)."""
+        self._streams.pop(request_id, None)
+        for sample in stream.request.siblings:
+            self.engine.cancel(sample.request_id)
+        stream.put(exc)
 
     def _cancel(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
@@ -365,17 +462,35 @@ class AsyncLLM:
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
-            self._streams.pop(request_id)
-            for sample in stream.request.siblings:
-                self.engine.cancel(sample.request_id)
-            stream.put(exc)
+            self._end_stream(request_id, stream, exc)
 
     def _snapshot(self) -> EngineSnapshot:
         scheduler = self.engine.scheduler
+        manager = self.engine.manager
+        running: dict[str | None, int] = {}
+        for request in scheduler.running:
+            running[request.salt] = running.get(request.salt, 0) + 1
+        waiting = scheduler.waiting.count_by_tenant()
+        pins = self._pins_by_salt
+        tenants = {}
+        for salt in {*running, *waiting, *scheduler.tenants, *pins}:
+            counters = scheduler.tenants.get(salt)
+            tenants[salt] = TenantSnapshot(
+                running=running.get(salt, 0),
+                waiting=waiting.get(salt, 0),
+                admitted=counters.admitted if counters else 0,
+                prompt_tokens=counters.prompt_tokens if counters else 0,
+                cached_prompt_tokens=counters.cached_prompt_tokens if counters else 0,
+                pins=pins.get(salt, (0, 0))[0],
+                pinned_blocks=pins.get(salt, (0, 0))[1],
+            )
         return EngineSnapshot(
-            cache=self.engine.manager.stats(),
+            cache=manager.stats(),
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),
             preemptions=scheduler.preemptions,
             steps=self._steps,
+            max_pinned_blocks=manager.pool.max_pinned_blocks,
+            tenants=tenants,
+            pins=self._pins,
         )

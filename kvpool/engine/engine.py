@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
+import torch
+
 from kvpool.cache import KVCacheManager
-from kvpool.engine.errors import PromptExceedsPool, PromptTooLong, RequestError
+from kvpool.engine.errors import (
+    InvalidTokens,
+    PromptExceedsPool,
+    PromptTooLong,
+    QueueFull,
+    RequestError,
+)
 from kvpool.engine.request import Request, Status
-from kvpool.engine.sampling import Sampler, SamplingParams
-from kvpool.engine.scheduler import MAX_BATCH_TOKENS, Scheduler
+from kvpool.engine.sampling import Sampler, SamplingParams, seed_bits
+from kvpool.engine.scheduler import MAX_BATCH_TOKENS, Scheduler, Work
 from kvpool.model.llama import LlamaModel
 from kvpool.model.runner import ModelRunner, SeqChunk
+
+log = logging.getLogger("kvpool.engine")
 
 
 class Engine:
@@ -22,6 +34,13 @@ class Engine:
     ``policy="static"`` is the llama.cpp/Ollama baseline: every request reserves its
     whole context (prompt + max tokens, at most the context length) up front and nothing
     is shared.
+
+    One request never breaks the others: its token ids are checked against the
+    vocabulary before it is queued, and an exception raised while a step computes is
+    traced to the request(s) that cause it by running the step's work again in halves;
+    those end with ``finish_reason == "error"`` (``request.error`` names a log id) and
+    the rest of the batch continues with the outputs a clean step gives them.
+    ``max_queue`` bounds the waiting requests (``QueueFull`` past it).
     """
 
     def __init__(
@@ -35,6 +54,7 @@ class Engine:
         policy: str = "paged",
         stop_ids: Iterable[int] = (),
         seed: int | None = None,
+        max_queue: int | None = None,
     ) -> None:
         if policy not in ("paged", "static"):
             raise ValueError(f"unknown policy {policy!r} (paged, static)")
@@ -50,6 +70,8 @@ class Engine:
         self.sampler = Sampler(seed)
         self.stop_ids = frozenset(stop_ids)
         self.context_length = model.config.context_length
+        self.vocab_size = model.vocab_rows
+        self.max_queue = max_queue
         self.requests: dict[str, Request] = {}
         # Prefixes (pinned system prompts) that every tenant may share: a salted request
         # starting with one looks its blocks up without its salt.
@@ -68,31 +90,16 @@ class Engine:
         request_id: str | None = None,
         salt: str | None = None,
     ) -> Request:
-        """Queue a request. Raises a ``RequestError`` (nothing allocated) for an empty
-        prompt, one that leaves no room in the context (``PromptTooLong``), or one whose
-        KV could not fit even in the empty pool (``PromptExceedsPool``)."""
+        """Queue a request. Raises a ``RequestError`` (nothing allocated): see
+        ``check_request``; ``QueueFull`` past ``max_queue`` waiting requests."""
         prompt = list(prompt_ids)
-        if not prompt:
-            raise RequestError("the prompt is empty")
-        if len(prompt) >= self.context_length:
-            raise PromptTooLong(
-                f"the prompt has {len(prompt)} tokens; the model's context holds "
-                f"{self.context_length} (prompt + output)"
-            )
+        self.check_request(prompt, params)
+        if self.max_queue is not None and len(self.scheduler.waiting) >= self.max_queue:
+            raise self.queue_full(len(self.scheduler.waiting))
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is in use")
-        reserve = 0
-        if self.policy == "static":  # a slot for the whole request, as llama.cpp's
-            reserve = min(self.context_length, len(prompt) + params.max_tokens)
-        manager = self.manager
-        need = manager.blocks_needed(max(len(prompt) + 1, reserve))
-        if need > manager.num_blocks:
-            raise PromptExceedsPool(
-                f"the request needs {need} KV blocks ({max(len(prompt) + 1, reserve)} tokens "
-                f"of {manager.block_size}); the whole pool holds {manager.num_blocks} blocks "
-                f"({manager.num_blocks * manager.block_size} tokens)"
-            )
+        reserve = self._reserve(prompt, params)
         request = Request(request_id, prompt, params, salt, arrival=time.monotonic())
         request.forks_pending = params.n - 1
         request.siblings = [request]
@@ -104,6 +111,50 @@ class Engine:
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
+
+    def check_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        """Raise a ``RequestError`` for an empty prompt, a token id outside the
+        vocabulary (``InvalidTokens``), a prompt that leaves no room in the context
+        (``PromptTooLong``), or a request whose KV could not fit even in the empty pool
+        (``PromptExceedsPool``). Reads only what never changes after construction, so
+        any thread may call it (a server checks before handing the request over)."""
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        self.check_tokens(prompt)
+        if len(prompt) >= self.context_length:
+            raise PromptTooLong(
+                f"the prompt has {len(prompt)} tokens; the model's context holds "
+                f"{self.context_length} (prompt + output)"
+            )
+        reserve = self._reserve(prompt, params)
+        blocks, size = self.manager.num_blocks, self.manager.block_size
+        need = -(-max(len(prompt) + 1, reserve) // size)
+        if need > blocks:
+            raise PromptExceedsPool(
+                f"the request needs {need} KV blocks ({max(len(prompt) + 1, reserve)} tokens "
+                f"of {size}); the whole pool holds {blocks} blocks ({blocks * size} tokens)"
+            )
+
+    def queue_full(self, waiting: int) -> QueueFull:
+        return QueueFull(
+            f"the server is busy: {waiting} requests are waiting (the limit is "
+            f"{self.max_queue}); retry shortly"
+        )
+
+    def _reserve(self, prompt: Sequence[int], params: SamplingParams) -> int:
+        """Token slots taken at admission: the static policy's whole slot, else none."""
+        if self.policy != "static":
+            return 0
+        return min(self.context_length, len(prompt) + params.max_tokens)
+
+    def check_tokens(self, token_ids: Sequence[int]) -> None:
+        """Raise ``InvalidTokens`` unless every id is an int in ``[0, vocab_size)``."""
+        vocab = self.vocab_size
+        for i, token in enumerate(token_ids):
+            if type(token) is not int or not 0 <= token < vocab:
+                raise InvalidTokens(
+                    f"token ids must be integers in [0, {vocab}); got {token!r} at position {i}"
+                )
 
     def cancel(self, request_id: str) -> None:
         """Stop a request now; its blocks go back to the pool at once."""
@@ -124,9 +175,10 @@ class Engine:
             self.scheduler.pending_copies = []
         if not work:
             return rejected
-        logits = self.runner.forward(
-            [SeqChunk(w.request.seq_id, w.token_ids, w.start) for w in work]
-        )
+        logits, work, failed = self._forward_isolating(work)
+        progressed = list(rejected) + failed
+        if not work:
+            return progressed
         self.scheduler.after_forward(work)
         rows: list[int] = []
         requests: list[Request] = []
@@ -137,18 +189,14 @@ class Engine:
                 for child in self._fork_samples(w.request):
                     rows.append(i)  # the n samples draw from the same first logits
                     requests.append(child)
-        progressed = list(rejected)
         if rows:
             # (every row once, in order, is the common case: no copy of [B, vocab])
             same = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
-            tokens = self.sampler.sample(
-                logits if same else logits[rows],
-                [r.params for r in requests],
-                [r.prompt_ids for r in requests],
-                [r.output_ids for r in requests],
-                [r.generator for r in requests],
-            )
+            tokens = self._sample_isolating(logits if same else logits[rows], requests)
             for request, token in zip(requests, tokens, strict=True):
+                if token is None:  # its sampling raised: it alone ends
+                    progressed.append(request)
+                    continue
                 request.tokens.append(token)
                 reason = self._finish_reason(request, token)
                 if reason:
@@ -156,6 +204,71 @@ class Engine:
                     self.requests.pop(request.request_id, None)
                 progressed.append(request)
         return progressed
+
+    # -- fault isolation ---------------------------------------------------------------
+    def _forward_isolating(
+        self, work: list[Work]
+    ) -> tuple[torch.Tensor | None, list[Work], list[Request]]:
+        """The step's forward: logits of the work that computed, that work, and the
+        requests that failed (ended with ``error``). When the whole batch raises, each
+        half runs alone, recursively, until the failing requests are found: a cost of
+        about ``2 log2(B)`` extra forwards per failing request, on the failure path only.
+        Re-running writes the same K/V to the same slots, and no block enters the prefix
+        index before ``after_forward``, so a failed attempt leaves nothing behind."""
+        parts: list[tuple[list[Work], torch.Tensor]] = []
+        failed: list[Request] = []
+
+        def run(items: list[Work]) -> None:
+            chunks = [SeqChunk(w.request.seq_id, w.token_ids, w.start) for w in items]
+            try:
+                parts.append((items, self.runner.forward(chunks)))
+                return
+            except Exception as exc:
+                if len(items) == 1:
+                    failed.append(self._fail(items[0].request, exc))
+                    return
+            mid = len(items) // 2  # (outside the handler: no chained tracebacks)
+            run(items[:mid])
+            run(items[mid:])
+
+        run(work)
+        if not parts:
+            return None, [], failed
+        if len(parts) == 1:
+            return parts[0][1], parts[0][0], failed
+        return torch.cat([p[1] for p in parts]), [w for p in parts for w in p[0]], failed
+
+    def _sample_isolating(self, logits: torch.Tensor, requests: list[Request]) -> list[int | None]:
+        """One token per row; if the batched sampler raises, each row is drawn alone and
+        the rows that still raise end their requests (None in their place)."""
+        args = (
+            [r.params for r in requests],
+            [r.prompt_ids for r in requests],
+            [r.output_ids for r in requests],
+            [r.generator for r in requests],
+        )
+        try:
+            return list(self.sampler.sample(logits, *args))
+        except Exception:
+            tokens: list[int | None] = []
+            for i, request in enumerate(requests):
+                try:
+                    one = [a[i : i + 1] for a in args]
+                    tokens.extend(self.sampler.sample(logits[i : i + 1], *one))
+                except Exception as exc:
+                    self._fail(request, exc)
+                    tokens.append(None)
+            return tokens
+
+    def _fail(self, request: Request, exc: BaseException) -> Request:
+        """End ``request`` with ``error``: its blocks are freed, the log has the cause."""
+        error_id = uuid.uuid4().hex[:12]
+        log.error("request %s failed (error id %s)", request.request_id, error_id, exc_info=exc)
+        request.error = f"internal error (id {error_id})"
+        if request.status is not Status.FINISHED:
+            self.scheduler.finish(request, "error")
+        self.requests.pop(request.request_id, None)
+        return request
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
@@ -173,7 +286,7 @@ class Engine:
         they share every block of the prompt (n samples cost one prompt's KV)."""
         children = []
         for j in range(1, request.forks_pending + 1):
-            seed = None if request.params.seed is None else request.params.seed + j
+            seed = None if request.params.seed is None else seed_bits(request.params.seed + j)
             child = Request(
                 f"{request.request_id}#{j}",
                 request.prompt_ids,

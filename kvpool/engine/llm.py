@@ -54,6 +54,7 @@ class LLM:
         policy: str = "paged",
         seed: int | None = None,
         progress: bool = True,
+        max_queue: int | None = None,
     ) -> None:
         self.loaded = load_model(model, dtype=dtype, progress=progress)
         self.tokenizer = self.loaded.tokenizer
@@ -67,6 +68,7 @@ class LLM:
             policy=policy,
             stop_ids=self.tokenizer.stop_ids,
             seed=seed,
+            max_queue=max_queue,
         )
 
     def generate(

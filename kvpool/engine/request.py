@@ -38,6 +38,7 @@ class Request:
     cached_prompt_tokens: int = 0  # prompt tokens served from the cache (first admission)
     preemptions: int = 0
     finish_reason: str | None = None
+    error: str | None = None  # finish_reason "error": what to tell the client (a log id)
     generator: torch.Generator | None = None
     reserve_tokens: int = 0  # the static policy: token slots taken up front at admission
     public_tokens: int = 0  # leading prompt tokens of a prefix shared across tenants

@@ -12,7 +12,6 @@ depend on what else is in the batch; requests without one share the sampler's ge
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +20,24 @@ import torch
 
 class InvalidSamplingParams(ValueError):
     """A sampling parameter out of its range (the server answers 400 with the message)."""
+
+
+# Bounds that keep one request's numbers from costing the others: a temperature or a
+# penalty past these changes nothing a user can see (a temperature of 100 already draws
+# near-uniformly), and stop strings are checked against the text at every token.
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_STOP_STRINGS = 32
+MAX_STOP_LENGTH = 512  # characters
+MAX_TOP_K = 1 << 31
+# Seeds: any value a signed or an unsigned 64-bit integer holds; negative ones are taken
+# modulo 2**64 (the generator's seed is 64 bits), so -1 and 2**64 - 1 are one seed.
+SEED_RANGE = (-(1 << 63), 1 << 64)
+
+
+def seed_bits(seed: int) -> int:
+    """The generator's 64-bit seed for a request seed in ``SEED_RANGE``."""
+    return seed % (1 << 64)
 
 
 @dataclass(frozen=True)
@@ -40,17 +57,36 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
+        low, high = SEED_RANGE
         checks = [
             (self.max_tokens >= 1, "max_tokens must be at least 1"),
-            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
-            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
+            (
+                0 <= self.temperature <= MAX_TEMPERATURE,  # False for NaN
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}]",
+            ),
+            (0 <= self.top_k <= MAX_TOP_K, f"top_k must be in [0, {MAX_TOP_K}] (0 disables it)"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (
+                0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]",
+            ),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (1 <= self.n <= 64, "n must be in [1, 64]"),
             (all(s for s in self.stop), "stop strings must not be empty"),
+            (
+                len(self.stop) <= MAX_STOP_STRINGS,
+                f"at most {MAX_STOP_STRINGS} stop strings (got {len(self.stop)})",
+            ),
+            (
+                all(len(s) <= MAX_STOP_LENGTH for s in self.stop),
+                f"stop strings must be at most {MAX_STOP_LENGTH} characters",
+            ),
+            (
+                self.seed is None or low <= self.seed < high,
+                f"seed must be a 64-bit integer, in [{low}, {high - 1}]",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -64,7 +100,7 @@ class SamplingParams:
         """The request's own generator when it has a seed (create once per request)."""
         if self.seed is None:
             return None
-        return torch.Generator().manual_seed(self.seed)
+        return torch.Generator().manual_seed(seed_bits(self.seed))
 
 
 class Sampler:

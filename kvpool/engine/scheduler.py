@@ -1,18 +1,18 @@
 """Continuous batching over the block pool: what runs in each step.
 
 Every step takes, in admission order, one token from each decoding request and a chunk
-of prompt from each prefilling one, then admits waiting requests, first come first
-served, under a per-step token budget. Blocks are taken by real need: a request is
-admitted when the pool holds its uncached prompt plus the growth that it and the running
-requests are expected to need (each request's output is expected to reach its max
-tokens when nothing can stop it early, otherwise the mean length of recently finished
-outputs; at least one more block), not a fixed reservation per request. Admitting on
-the prompt alone filled the pool and the next steps' growth preempted what was just
-admitted (``distinct`` workload: 26 running, 14 preemptions, 17% slower than static
-slots; with the expected growth kept free: 17 running, none, on par with static). When a
-running request needs a block and none is free, the most recently admitted request is
-preempted: its computed blocks go to the cache, and it waits at the head of the queue to
-be prefilled again (mostly cache hits).
+of prompt from each prefilling one, then admits waiting requests under a per-step token
+budget: first come first served within a tenant, the tenants in turn (``FairQueue``).
+Blocks are taken by real need: a request is admitted when the pool holds its uncached
+prompt plus the growth that it and the running requests are expected to need (each
+request's output is expected to reach its max tokens when nothing can stop it early,
+otherwise the mean length of recently finished outputs; at least one more block), not a
+fixed reservation per request. Admitting on the prompt alone filled the pool and the
+next steps' growth preempted what was just admitted (``distinct`` workload: 26 running,
+14 preemptions, 17% slower than static slots; with the expected growth kept free: 17
+running, none, on par with static). When a running request needs a block and none is
+free, the most recently admitted request is preempted: its computed blocks go to the
+cache, and it waits at the head of the queue to be prefilled again (mostly cache hits).
 
 Invariant: a running request's block table holds ``len(request.tokens)`` tokens after
 ``schedule`` (its pending last token included); the scheduler is the block manager's
@@ -21,10 +21,10 @@ only caller besides ``Engine`` freeing finished requests.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from kvpool.cache import KVCacheManager, OutOfBlocks
+from kvpool.engine.fair_queue import FairQueue
 from kvpool.engine.request import Request, Status
 
 # Tokens computed in one step by default: prompts longer than this are prefilled in chunks.
@@ -45,6 +45,15 @@ class Work:
         return self.start + len(self.token_ids) == len(self.request.tokens)
 
 
+@dataclass
+class TenantCounters:
+    """What one tenant (cache salt) has had admitted, first admissions only."""
+
+    admitted: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
 class Scheduler:
     def __init__(
         self,
@@ -58,13 +67,14 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.watermark_blocks = int(watermark * manager.num_blocks)
-        self.waiting: deque[Request] = deque()
+        self.waiting = FairQueue()
         self.running: list[Request] = []
         self.preemptions = 0
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write, for the runner
         self._next_seq = 0
         self._admissions = 0
         self.expected_output = 0.0  # mean output length of finished requests (EMA), 0: none yet
+        self.tenants: dict[str | None, TenantCounters] = {}
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -87,13 +97,12 @@ class Scheduler:
             work.append(Work(request, request.num_computed, chunk))
             budget -= len(chunk)
         rejected: list[Request] = []
-        deferred: list[Request] = []
         growth = sum(self._growth_blocks(r) for r in self.running) if self.waiting else 0
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            request = self.waiting[0]
+        for request in self.waiting.in_turn(self.max_running):
+            if budget <= 0 or len(self.running) >= self.max_running:
+                break
             if self.manager.enable_prefix_caching and self._prefix_in_flight(request):
-                deferred.append(self.waiting.popleft())
-                continue
+                continue  # it keeps its place; others go ahead this step
             # Headroom: the blocks the running requests and this one are expected to
             # take as they grow; admitting into that space only buys preemptions.
             own = self._growth_blocks(request)
@@ -110,16 +119,17 @@ class Scheduler:
                 )
             except OutOfBlocks:
                 if self.running:
-                    break  # first come first served: the head waits for blocks
+                    break  # the request whose turn it is waits for blocks
                 # Alone and still too big: it grew past the whole pool (a prompt that
                 # cannot fit is refused by the engine before it is queued). Its output
                 # ends here, as at a length limit.
-                self.waiting.popleft()
+                self.waiting.remove(request)
                 request.status = Status.FINISHED
                 request.finish_reason = "length" if request.output_ids else "too_long_for_pool"
                 rejected.append(request)
                 continue
-            self.waiting.popleft()
+            self.waiting.remove(request)
+            self.waiting.served(request.salt)
             request.seq_id = self._next_seq
             self._next_seq += 1
             request.admitted = self._admissions
@@ -128,13 +138,16 @@ class Scheduler:
             request.num_computed = alloc.num_cached_tokens
             if request.preemptions == 0:
                 request.cached_prompt_tokens = alloc.num_cached_tokens
+                counters = self.tenants.setdefault(request.salt, TenantCounters())
+                counters.admitted += 1
+                counters.prompt_tokens += len(request.prompt_ids)
+                counters.cached_prompt_tokens += alloc.num_cached_tokens
             self.running.append(request)
             growth += own
             end = min(len(request.tokens), request.num_computed + budget)
             chunk = request.tokens[request.num_computed : end]
             work.append(Work(request, request.num_computed, chunk))
             budget -= len(chunk)
-        self.waiting.extendleft(reversed(deferred))
         return work, rejected
 
     def fork(self, parent: Request, child: Request) -> None:

@@ -255,6 +255,11 @@ class LlamaModel:
         return self._buffer[:numel]
 
     @property
+    def vocab_rows(self) -> int:
+        """Rows of the token embedding: the valid input ids are ``[0, vocab_rows)``."""
+        return int(self.embed.shape[0])
+
+    @property
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.final_norm.numel()
         if not self.config.tie_word_embeddings:

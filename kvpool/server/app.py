@@ -37,7 +37,12 @@ async def authenticate(request: Request) -> None:
 
 
 def create_app(
-    model: ServedModel, *, keys: KeyRing | None = None, max_body_bytes: int = 8 * 2**20
+    model: ServedModel,
+    *,
+    keys: KeyRing | None = None,
+    max_body_bytes: int = 8 * 2**20,
+    tenant_pin_share: float = 0.25,
+    max_queue: int | None = None,
 ) -> Any:
     """The ASGI application (FastAPI wrapped in the body-size limit)."""
     app = FastAPI(title="kvpool", version=__version__, docs_url=None, redoc_url=None)
@@ -45,6 +50,8 @@ def create_app(
         model=model,
         keys=keys or KeyRing({}),
         metrics=Metrics(lambda: model.engine.snapshot),
+        tenant_pin_share=tenant_pin_share,
+        max_queue=max_queue,
     )
     errors.install(app)
     auth = [Depends(authenticate)]

@@ -24,10 +24,18 @@ class Tenant:
 
     @property
     def salt(self) -> str | None:
-        return None if self.name == "" else f"tenant:{self.name}"
+        return None if self.name == "" else f"{SALT_PREFIX}{self.name}"
 
 
 ANONYMOUS = Tenant("", admin=True)
+SALT_PREFIX = "tenant:"
+
+
+def tenant_name(salt: str | bytes | None) -> str:
+    """The tenant name a cache salt belongs to ("" for none: anonymous or shared)."""
+    if isinstance(salt, bytes):
+        salt = salt.decode()
+    return salt[len(SALT_PREFIX) :] if salt and salt.startswith(SALT_PREFIX) else ""
 
 
 class KeyRing:

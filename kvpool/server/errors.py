@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -18,7 +19,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpool.cache import CacheError, NotPinned, PinLimitExceeded
-from kvpool.engine.errors import EngineStopped, PromptExceedsPool, RequestError
+from kvpool.engine.errors import (
+    EngineStopped,
+    PromptExceedsPool,
+    QueueFull,
+    RequestError,
+    RequestFailed,
+)
 from kvpool.engine.sampling import InvalidSamplingParams
 
 log = logging.getLogger("kvpool.server")
@@ -80,6 +87,24 @@ async def read_json(http: Request, model: type[M]) -> M:
         raise bad_request(_validation_message(exc)) from None
 
 
+def internal_error(exc: BaseException, where: str) -> str:
+    """Log ``exc`` under a new id; the message for the client names only the id (never
+    the exception's text, which may show internals)."""
+    error_id = uuid.uuid4().hex[:12]
+    log.error("internal error %s on %s", error_id, where, exc_info=exc)
+    return f"internal error (id {error_id}; the server log has the details)"
+
+
+def stream_error(exc: BaseException, where: str) -> tuple[int, str, str]:
+    """Status, message and kind for an exception that ends a response already started
+    (a stream): the same mapping as the handlers below."""
+    if isinstance(exc, EngineStopped):
+        return 503, str(exc), "service_unavailable"
+    if isinstance(exc, RequestFailed):
+        return 500, str(exc), "server_error"
+    return 500, internal_error(exc, where), "server_error"
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -99,8 +124,16 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> JSONResponse:
+        if isinstance(exc, QueueFull):  # as Ollama's OLLAMA_MAX_QUEUE: try again later
+            response = error_response(request, 503, str(exc), "service_unavailable")
+            response.headers["Retry-After"] = "1"
+            return response
         status = 413 if isinstance(exc, PromptExceedsPool) else 400
         return error_response(request, status, str(exc), _kind(status))
+
+    @app.exception_handler(RequestFailed)
+    async def request_failed(request: Request, exc: RequestFailed) -> JSONResponse:
+        return error_response(request, 500, str(exc), "server_error")
 
     @app.exception_handler(InvalidSamplingParams)
     async def sampling_error(request: Request, exc: InvalidSamplingParams) -> JSONResponse:
@@ -119,5 +152,5 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        return error_response(request, 500, f"internal error: {exc}", "server_error")
+        message = internal_error(exc, request.url.path)
+        return error_response(request, 500, message, "server_error")

@@ -56,12 +56,20 @@ class Outcome:
 
 
 class Generation:
-    def __init__(self, stream: RequestStream, n: int, metrics: Metrics, api: str) -> None:
+    """Invariant: every submitted request is recorded in the metrics exactly once, when
+    it ends, however it ends (finished, failed, or cancelled by a disconnect that may
+    come before the response even started)."""
+
+    def __init__(
+        self, stream: RequestStream, n: int, metrics: Metrics, api: str, tenant: Tenant
+    ) -> None:
         self.stream = stream
         self.outcome = Outcome([Sample() for _ in range(n)], stream.prompt_tokens)
         self._metrics = metrics
         self._api = api
+        self._tenant = tenant.name
         self._watcher: asyncio.Task[None] | None = None
+        self._closed = False
 
     @classmethod
     async def start(
@@ -76,14 +84,15 @@ class Generation:
     ) -> Generation:
         arrival = time.monotonic()
         stream = await engine.submit(prompt_ids, params, salt=tenant.salt)
-        generation = cls(stream, params.n, metrics, api)
+        generation = cls(stream, params.n, metrics, api, tenant)
         generation.outcome.arrival = arrival
-        generation._watcher = asyncio.create_task(_cancel_on_disconnect(http, stream))
+        generation._watcher = asyncio.create_task(generation._close_on_disconnect(http))
         return generation
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """The request's deltas as they come; the outcome fills in on the way."""
         out = self.outcome
+        failed = False
         try:
             async for delta in self.stream:
                 sample = out.samples[delta.index]
@@ -92,46 +101,52 @@ class Generation:
                 out.cached_prompt_tokens = delta.cached_prompt_tokens
                 if delta.token_ids and out.first_token is None:
                     out.first_token = delta.time
-                    self._metrics.ttft.observe(delta.time - out.arrival)
+                    self._metrics.ttft.labels(self._tenant).observe(delta.time - out.arrival)
                 if delta.finish_reason is not None:
                     sample.finish_reason = _public_reason(delta.finish_reason)
                 yield delta
+        except Exception:
+            failed = True
+            raise
         finally:
-            self.close()
+            self.close(failed)
 
     async def run(self) -> Outcome:
         async for _ in self.deltas():
             pass
         return self.outcome
 
-    def close(self) -> None:
-        """End the request (cancel it if it is still running) and record its metrics."""
-        if self._watcher is None:
+    def close(self, failed: bool = False) -> None:
+        """End the request (cancel it if it is still running) and record its metrics,
+        once. Samples without a finish reason count as ``cancelled`` (``error`` with
+        ``failed``)."""
+        if self._closed:
             return
-        self._watcher.cancel()
-        self._watcher = None
+        self._closed = True
+        if self._watcher is not None and self._watcher is not asyncio.current_task():
+            self._watcher.cancel()
         self.stream.cancel()
         out = self.outcome
         out.end = time.monotonic()
-        m = self._metrics
-        m.latency.observe(out.end - out.arrival)
-        m.prompt_tokens.inc(out.prompt_tokens)
-        m.cached_prompt_tokens.inc(out.cached_prompt_tokens)
-        m.generation_tokens.inc(out.completion_tokens)
+        m, tenant = self._metrics, self._tenant
+        m.latency.labels(tenant).observe(out.end - out.arrival)
+        m.prompt_tokens.labels(tenant).inc(out.prompt_tokens)
+        m.cached_prompt_tokens.labels(tenant).inc(out.cached_prompt_tokens)
+        m.generation_tokens.labels(tenant).inc(out.completion_tokens)
         for sample in out.samples:
-            m.requests.labels(self._api, sample.finish_reason or "cancelled").inc()
+            reason = sample.finish_reason or ("error" if failed else "cancelled")
+            m.requests.labels(self._api, reason, tenant).inc()
+
+    async def _close_on_disconnect(self, http: Request) -> None:
+        """Wait for the client to go away, then end its request at once (the body is
+        already read, so the next ASGI message can only be the disconnect)."""
+        with contextlib.suppress(asyncio.CancelledError):
+            while True:
+                message = await http.receive()
+                if message["type"] == "http.disconnect":
+                    self.close()
+                    return
 
 
 def _public_reason(reason: str) -> str:
     return "length" if reason == "too_long_for_pool" else reason
-
-
-async def _cancel_on_disconnect(http: Request, stream: RequestStream) -> None:
-    """Wait for the client to go away, then cancel its request (the body is already
-    read, so the next ASGI message can only be the disconnect)."""
-    with contextlib.suppress(asyncio.CancelledError):
-        while True:
-            message = await http.receive()
-            if message["type"] == "http.disconnect":
-                stream.cancel()
-                return

@@ -50,6 +50,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keys-file", type=Path, default=None,
                    help="keys, one per line: '[tenant] key [admin]'")  # fmt: skip
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
+    p.add_argument("--max-queue", type=int, default=512,
+                   help="waiting requests at most; more get 503 + Retry-After (as "
+                        "OLLAMA_MAX_QUEUE); default 512")  # fmt: skip
+    p.add_argument("--tenant-pin-share", type=float, default=0.25, metavar="FRACTION",
+                   help="share of the pin budget one non-admin tenant's pins may hold")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no load progress, warnings only")
 
 
@@ -77,6 +82,7 @@ def serve(args: argparse.Namespace) -> int:
             enable_prefix_caching=not args.no_prefix_caching,
             policy=args.policy,
             progress=not args.quiet,
+            max_queue=args.max_queue,
         )
     except (ModelNotFound, ValueError, OSError) as exc:
         print(f"kvpool: {exc}", file=sys.stderr)
@@ -91,7 +97,13 @@ def serve(args: argparse.Namespace) -> int:
         f"{'off' if args.no_prefix_caching else 'on'}, API keys {'on' if keys.enabled else 'off'}",
         file=sys.stderr,
     )
-    app = create_app(model, keys=keys, max_body_bytes=args.max_body_bytes)
+    app = create_app(
+        model,
+        keys=keys,
+        max_body_bytes=args.max_body_bytes,
+        tenant_pin_share=args.tenant_pin_share,
+        max_queue=args.max_queue,
+    )
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -100,6 +112,9 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"kvpool: cannot listen on {host}:{port}: {exc}", file=sys.stderr)
         return 2
+    # Listen now: connections made as soon as the line below is printed wait in the
+    # backlog until uvicorn accepts them (it would listen only once it has started).
+    sock.listen(2048)
     bound_port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning" if args.quiet else "info",
                             timeout_graceful_shutdown=10)  # fmt: skip

@@ -1,18 +1,37 @@
 """Prometheus metrics: the block pool and scheduler read from the engine's latest snapshot
 at scrape time, and per-request counters and histograms recorded as requests end.
 
-All series are prefixed ``kvpool_``; each app has its own registry.
+All series are prefixed ``kvpool_``; each app has its own registry. Per-request series
+and the ``kvpool_tenant_*`` gauges carry a ``tenant`` label ("" without keys). An admin
+scrape sees every series; a tenant's key sees the pool's capacity and the series of its
+own tenant only, never another tenant's activity.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import fields
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvpool.engine.async_llm import EngineSnapshot
+from kvpool.engine.async_llm import EngineSnapshot, TenantSnapshot
+from kvpool.server.auth import Tenant, tenant_name
+
+# What a tenant's scrape may see besides its own series: the pool's size.
+_CAPACITY = frozenset(
+    {"kvpool_block_size", "kvpool_kv_capacity_blocks", "kvpool_kv_capacity_bytes"}
+)
+_TENANT_DOCS = {
+    "running": "requests of the tenant in the batch",
+    "waiting": "requests of the tenant queued",
+    "admitted": "requests of the tenant admitted (first admissions)",
+    "prompt_tokens": "prompt tokens of the tenant's admitted requests",
+    "cached_prompt_tokens": "of those, served from the cache",
+    "pinned_blocks": "blocks held by the tenant's pins",
+    "pins": "the tenant's pins",
+}
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, float("inf"))
 
@@ -24,6 +43,17 @@ class _PoolCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
         c = snap.cache
+        yield GaugeMetricFamily(
+            "kvpool_kv_capacity_blocks", "KV blocks in the pool", c.total_blocks
+        )
+        yield GaugeMetricFamily("kvpool_kv_capacity_bytes", "KV bytes in the pool", c.total_bytes)
+        for f in fields(TenantSnapshot):
+            family = GaugeMetricFamily(
+                f"kvpool_tenant_{f.name}", _TENANT_DOCS[f.name], labels=["tenant"]
+            )
+            for salt, tenant in snap.tenants.items():
+                family.add_metric([tenant_name(salt)], getattr(tenant, f.name))
+            yield family
         blocks = GaugeMetricFamily("kvpool_kv_blocks", "KV blocks by state", labels=["state"])
         for state, value in (
             ("total", c.total_blocks),
@@ -64,35 +94,60 @@ class Metrics:
     def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_PoolCollector(snapshot))
+        r = self.registry
         self.ttft = Histogram(
             "kvpool_time_to_first_token_seconds",
             "arrival to first generated token",
+            ["tenant"],
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=r,
         )
         self.latency = Histogram(
             "kvpool_request_latency_seconds",
             "arrival to last token",
+            ["tenant"],
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=r,
         )
         self.prompt_tokens = Counter(
-            "kvpool_prompt_tokens", "prompt tokens of finished requests", registry=self.registry
+            "kvpool_prompt_tokens", "prompt tokens of finished requests", ["tenant"], registry=r
         )
         self.cached_prompt_tokens = Counter(
             "kvpool_cached_prompt_tokens",
             "prompt tokens of finished requests served from the cache",
-            registry=self.registry,
+            ["tenant"],
+            registry=r,
         )
         self.generation_tokens = Counter(
-            "kvpool_generation_tokens", "tokens generated", registry=self.registry
+            "kvpool_generation_tokens", "tokens generated", ["tenant"], registry=r
         )
         self.requests = Counter(
             "kvpool_requests",
-            "finished requests by API and finish reason",
-            ["api", "finish_reason"],
-            registry=self.registry,
+            "ended requests by API, finish reason (cancelled: the client left) and tenant",
+            ["api", "finish_reason", "tenant"],
+            registry=r,
         )
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, viewer: Tenant) -> bytes:
+        """The exposition text ``viewer`` may see (see the module docstring)."""
+        if viewer.admin:
+            return generate_latest(self.registry)
+        return generate_latest(_TenantView(self.registry, viewer.name))  # type: ignore[arg-type]
+
+
+class _TenantView:
+    """A registry's series filtered to one tenant's (and the pool's capacity)."""
+
+    def __init__(self, registry: CollectorRegistry, tenant: str) -> None:
+        self._registry = registry
+        self._tenant = tenant
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            if family.name in _CAPACITY:
+                yield family
+                continue
+            samples = [s for s in family.samples if s.labels.get("tenant") == self._tenant]
+            if samples:
+                family.samples = samples
+                yield family

@@ -17,8 +17,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from kvpool import __version__
-from kvpool.engine.errors import EngineStopped
-from kvpool.server.errors import bad_request, read_json
+from kvpool.server.errors import bad_request, read_json, stream_error
 from kvpool.server.generation import Generation, Outcome
 from kvpool.server.params import ollama_params
 from kvpool.server.state import State, tenant_of
@@ -93,15 +92,19 @@ def _final_stats(out: Outcome) -> dict[str, Any]:
 
 
 def _ndjson(generation: Generation, piece: Any, final: Any) -> StreamingResponse:
+    """Ollama's stream: a line per piece, then the final line; a stream that ends early
+    (shutdown, a failure) ends with an ``{"error": ...}`` line, as Ollama's does."""
+
     async def lines() -> AsyncIterator[bytes]:
         try:
             async for delta in generation.deltas():
                 if delta.text:
                     yield (json.dumps(piece(delta.text)) + "\n").encode()
-        except EngineStopped as exc:  # shutting down: end the stream as Ollama does
-            yield (json.dumps({"error": str(exc)}) + "\n").encode()
-            return
-        yield (json.dumps(final(generation.outcome)) + "\n").encode()
+            last = final(generation.outcome)
+        except Exception as exc:
+            _, message, _ = stream_error(exc, "an Ollama stream")
+            last = {"error": message}
+        yield (json.dumps(last) + "\n").encode()
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -123,7 +126,7 @@ async def generate(http: Request, state: State) -> Any:
     else:
         messages = [{"role": "system", "content": body.system}] if body.system else []
         ids = tokenizer.encode_chat([*messages, {"role": "user", "content": body.prompt}])
-    ids = list(body.context or []) + ids
+    ids = model.check_tokens(list(body.context or []), "context") + ids
     params = ollama_params(body.options, len(ids), model.context_length)
     generation = await Generation.start(
         model.engine, http, ids, params, tenant_of(http), state.metrics, "ollama"

@@ -14,8 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from kvpool.engine.errors import EngineStopped
-from kvpool.server.errors import APIError, bad_request, read_json
+from kvpool.server.errors import APIError, bad_request, read_json, stream_error
 from kvpool.server.generation import Generation, Outcome
 from kvpool.server.params import openai_params
 from kvpool.server.state import ServerState, State, tenant_of
@@ -87,12 +86,16 @@ def _usage(out: Outcome) -> dict[str, Any]:
 
 
 def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+    """Server-sent events ending in ``[DONE]``; a stream that ends early (shutdown, a
+    failure) says why in an error event first, as OpenAI's does."""
+
     async def events() -> AsyncIterator[bytes]:
         try:
             async for chunk in chunks:
                 yield f"data: {json.dumps(chunk)}\n\n".encode()
-        except EngineStopped as exc:  # shutting down: say so in the stream, then end it
-            error = {"message": str(exc), "type": "service_unavailable", "code": 503}
+        except Exception as exc:
+            status, message, kind = stream_error(exc, "an OpenAI stream")
+            error = {"message": message, "type": kind, "param": None, "code": status}
             yield f"data: {json.dumps({'error': error})}\n\n".encode()
         yield b"data: [DONE]\n\n"
 
@@ -185,10 +188,7 @@ async def completions(http: Request, state: State) -> Any:
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)
     else:
-        vocab = tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise bad_request(f"token ids must be in [0, {vocab})")
-        ids = list(prompt)
+        ids = model.check_tokens(list(prompt), "prompt")
     if not ids:
         raise bad_request("the prompt is empty")
     params = openai_params(body, len(ids), model.context_length)

@@ -5,18 +5,23 @@ repeat_penalty, presence_penalty, frequency_penalty, num_ctx); its defaults are 
 (temperature 0.8, top_k 40, top_p 0.9), except that ``repeat_penalty`` defaults to 1.0:
 kvpool applies it to every prompt and output token, not to a last-64-token window, so
 Ollama's 1.1 would penalise long prompts far more than Ollama does. ``num_predict`` -1
-(the default) or -2 generates until a stop or the context is full.
+(the default: no limit) and -2 (fill the context) both generate until a stop or the
+context is full (kvpool does not shift the context); other negatives and 0 are a 400,
+and a limit past the context is capped by it.
 
 OpenAI: ``max_tokens`` / ``max_completion_tokens`` (default: until the context is full),
 temperature and top_p (default 1), n, stop, seed, presence / frequency penalties, and
 ``ignore_eos`` (an extension, as in vLLM and llama.cpp, for benchmarks).
 
-A wrong type or value is a 400 naming the option; a prompt that leaves no room for output
-in the context (or ``num_ctx``) is a 400 naming both lengths.
+A wrong type or value is a 400 naming the option and its range (``SamplingParams``
+holds the bounds both APIs share: temperature, penalties, top-k, stop strings, seeds of
+64 bits); a prompt that leaves no room for output in the context (or ``num_ctx``) is a
+400 naming both lengths.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kvpool.engine.sampling import SamplingParams
@@ -29,13 +34,21 @@ _INT = ("num_predict", "top_k", "seed", "num_ctx", "repeat_last_n", "num_keep", 
 _INT += ("num_gpu", "num_thread", "mirostat", "main_gpu", "num_gqa")
 
 
+_INT_LIMIT = (1 << 31) - 1  # integer options but the seed: a 32-bit int, as Ollama's
+
+
 def _number(name: str, value: Any, kind: type) -> Any:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad_request(f"option {name} must be a number, got {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad_request(f"option {name} must be a finite number")
     if kind is int:
         if isinstance(value, float) and not value.is_integer():
             raise bad_request(f"option {name} must be an integer, got {value}")
-        return int(value)
+        value = int(value)
+        if name != "seed" and not -_INT_LIMIT <= value <= _INT_LIMIT:
+            raise bad_request(f"option {name} must be in [{-_INT_LIMIT}, {_INT_LIMIT}]")
+        return value
     return float(value)
 
 
@@ -76,8 +89,10 @@ def ollama_params(options: dict[str, Any] | None, prompt_len: int, context: int)
             raise bad_request("option num_ctx must be positive")
         context = min(context, num_ctx)
     num_predict = opts.get("num_predict", -1)
-    if num_predict == 0:
-        raise bad_request("option num_predict must be positive, or -1 for no limit")
+    if num_predict == 0 or num_predict < -2:
+        raise bad_request(
+            "option num_predict must be positive, -1 (no limit) or -2 (fill the context)"
+        )
     values = {**OLLAMA_DEFAULTS, **opts}
     return SamplingParams(
         max_tokens=max_new_tokens(num_predict if num_predict > 0 else None, prompt_len, context),
@@ -95,7 +110,9 @@ def ollama_params(options: dict[str, Any] | None, prompt_len: int, context: int)
 
 def openai_params(body: Any, prompt_len: int, context: int) -> SamplingParams:
     """``body``: the validated request model (chat or completions)."""
-    requested = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    requested = getattr(body, "max_completion_tokens", None)
+    if requested is None:
+        requested = body.max_tokens
     if requested is not None and requested < 1:
         raise bad_request("max_tokens must be at least 1")
     if body.temperature is not None and not 0 <= body.temperature <= 2:

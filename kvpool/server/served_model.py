@@ -13,6 +13,7 @@ from kvpool.engine.async_llm import AsyncLLM
 from kvpool.engine.llm import LLM
 from kvpool.formats.gguf_header import read_gguf_header
 from kvpool.model_store import DEFAULT_ALIASES
+from kvpool.server.errors import bad_request
 
 DEFAULT_NAME = "smollm2:135m"
 
@@ -76,6 +77,23 @@ class ServedModel:
     @property
     def context_length(self) -> int:
         return self.llm.engine.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        """Valid token ids are ``[0, vocab_size)``."""
+        return self.llm.engine.vocab_size
+
+    def check_tokens(self, ids: list[int], field: str) -> list[int]:
+        """``ids`` if every one is in the vocabulary; else a 400 naming the field and the
+        valid range (the engine checks again before it queues anything)."""
+        vocab = self.vocab_size
+        for i, token in enumerate(ids):
+            if type(token) is not int or not 0 <= token < vocab:
+                raise bad_request(
+                    f"{field}: token ids must be integers in [0, {vocab}); "
+                    f"got {token!r} at position {i}"
+                )
+        return ids
 
     def details(self) -> dict[str, Any]:
         cfg = self.llm.loaded.config

@@ -19,6 +19,12 @@ class ServerState:
     model: ServedModel
     keys: KeyRing
     metrics: Metrics
+    tenant_pin_share: float = 0.25  # of the pin budget, for each non-admin tenant's pins
+    max_queue: int | None = None  # waiting requests (the engine refuses past it)
+
+    def tenant_pin_blocks(self, max_pinned_blocks: int) -> int:
+        """The blocks one non-admin tenant's pins may hold together."""
+        return int(max_pinned_blocks * self.tenant_pin_share)
 
     def check_model(self, requested: str | None) -> ServedModel:
         if not requested:
