@@ -258,3 +258,41 @@ def test_bf16_batch_one_head_reads_the_q8_0_embedding(fp32_model, bf16_model):
     bf16_error = (logits["bf16"] - logits["fp32"]).abs().mean().item()
     assert q8_error < bf16_error
     assert logits["q8"].argmax(-1).tolist() == logits["fp32"].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("model_name", ["fp32_model", "bf16_model"])
+def test_mixed_steps_attend_decode_tokens_natively(request, model_name, monkeypatch):
+    """In a step mixing decode tokens with a prefill chunk, the decode tokens take the
+    native attention (once a layer, their rows only), as in a decode-only step, instead
+    of being padded to the chunk's length; their logits stay those of the decode-only
+    step (bit for bit where the products are row-invariant, as the prepacked bf16 ones
+    are here)."""
+    model = request.getfixturevalue(model_name)
+    a = [(13 * i) % 40000 + 3 for i in range(50)]
+    b = [(7 * i) % 40000 + 5 for i in range(90)]
+    calls = []
+
+    def spy(q, *args):
+        calls.append(q.shape[0])
+        return native(q, *args)
+
+    monkeypatch.setattr(model, "native_decode", spy)
+
+    def decode_logits(with_prefill: bool) -> torch.Tensor:
+        runner = ModelRunner(model, KVCacheManager(64, 16), threads=None)
+        runner.manager.allocate(0, a)
+        runner.forward([SeqChunk(0, a, 0)])
+        runner.manager.append(0, [5])
+        chunks = [SeqChunk(0, [5], len(a))]
+        if with_prefill:
+            runner.manager.allocate(1, b)
+            chunks.append(SeqChunk(1, b, 0))
+            assert runner.build_batch(chunks).decode is not None
+        calls.clear()
+        logits = runner.forward(chunks)[0].float()
+        assert calls == [1] * model.config.num_layers
+        return logits
+
+    alone, mixed = decode_logits(False), decode_logits(True)
+    assert (alone - mixed).abs().max().item() <= 1e-4 * alone.abs().max().item()
+    assert alone.argmax() == mixed.argmax()

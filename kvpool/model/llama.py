@@ -41,6 +41,11 @@ class AttentionBatch:
     # Decode only: groups whose first blocks are shared; a member's ``context_blocks``
     # then holds only the blocks after its group's prefix.
     shared_prefixes: list[SharedPrefix] = field(default_factory=list)
+    # A step mixing single decode tokens with longer chunks (with the native decode
+    # attention): the single tokens' flat indices [D], block tables [D, N] and context
+    # lengths [D]. The fields above then describe only the longer chunks' sequences
+    # (``last_index`` still covers every sequence).
+    decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -284,8 +289,10 @@ class LlamaModel:
         batch: AttentionBatch,
         decode_bias: torch.Tensor | None,
         head_blocks: torch.Tensor,
+        rows: bool = False,
     ) -> torch.Tensor:
-        """Each sequence's new queries over its own context slots -> ``[T, heads * dim]``.
+        """Each sequence's new queries over its own context slots -> ``[T, heads * dim]``
+        (with ``rows``: only the tokens of ``batch.query_index``, in its order).
 
         The context is gathered whole blocks at a time (``block_size * dim`` contiguous
         elements per copy, not one token's ``dim``: 3-4x faster than gathering slots), K
@@ -335,7 +342,25 @@ class LlamaModel:
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=batch.attn_mask, enable_gqa=True
         )
-        return out.transpose(1, 2)[batch.query_valid].reshape(q.shape[0], nh * d)
+        out = out.transpose(1, 2)[batch.query_valid]
+        return out.reshape(-1 if rows else q.shape[0], nh * d)
+
+    def _attend_split(
+        self, q: torch.Tensor, kv: PagedKVStore, layer: int, batch: AttentionBatch,
+        head_blocks: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """A mixed step: the single decode tokens through the native decode attention,
+        the longer chunks through ``_attend`` (see ``AttentionBatch.decode``)."""
+        tokens, blocks, lens = batch.decode  # type: ignore[misc]
+        d = self.config.head_dim
+        out = torch.empty(q.shape[0], q.shape[1] * d, dtype=q.dtype, device=q.device)
+        chunked = batch.query_index[batch.query_valid]
+        out[chunked] = self._attend(q, kv.layers[layer], batch, None, head_blocks, rows=True)
+        native = self.native_decode
+        out[tokens] = self._heavy(
+            native, q[tokens].contiguous(), kv.layers[layer], blocks, lens, kv.block_size, d**-0.5
+        )
+        return out
 
     def _attend_shared(
         self,
@@ -423,6 +448,8 @@ class LlamaModel:
                     native, q.contiguous(), kv.layers[i], batch.context_blocks,
                     batch.context_lens, kv.block_size, d**-0.5,
                 )  # fmt: skip
+            elif batch.decode is not None:
+                out = self._attend_split(q, kv, i, batch, head_blocks)
             else:
                 out = self._attend(q, kv.layers[i], batch, decode_bias, head_blocks)
             x, h = self._add_norm(x, self._heavy(layer.o, out), layer.ffn_norm)

@@ -71,6 +71,12 @@ class ModelRunner:
         self.kv.copy_blocks(copies)
 
     def build_batch(self, chunks: list[SeqChunk]) -> AttentionBatch:
+        """The step's index tensors. In a step that mixes single decode tokens with
+        longer chunks, and where the native decode attention is built, the single tokens
+        attend through it (``decode_tokens``, ...) and only the longer chunks through the
+        padded attention: each sequence's attention then takes the same path whatever
+        it is batched with (a decode row padded to a prefill chunk's length computed
+        other roundings, and wasted the padding)."""
         bs = self.manager.block_size
         device = self.model.device
         input_ids: list[int] = []
@@ -78,35 +84,50 @@ class ModelRunner:
         slots: list[int] = []
         q_lens = [len(c.token_ids) for c in chunks]
         ctx_lens = [c.start + len(c.token_ids) for c in chunks]
-        q_max = max(q_lens)
         tables = [
             self.manager.block_table(c.seq_id)[: -(-ctx // bs)]
             for c, ctx in zip(chunks, ctx_lens, strict=True)
         ]
+        offsets = []
+        for chunk, ctx, table in zip(chunks, ctx_lens, tables, strict=True):
+            offsets.append(len(input_ids))
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start, ctx))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(chunk.start, ctx))
+        singles = [b for b, n in enumerate(q_lens) if n == 1]
+        split = self.model.native_decode is not None and 0 < len(singles) < len(chunks)
+        rows = [b for b, n in enumerate(q_lens) if n > 1] if split else list(range(len(chunks)))
+        decode = None
+        if split:
+            width = max(len(tables[b]) for b in singles)
+            decode_blocks = torch.zeros(len(singles), width, dtype=torch.long)
+            for i, b in enumerate(singles):
+                decode_blocks[i, : len(tables[b])] = torch.tensor(tables[b])
+            decode = (
+                torch.tensor([offsets[b] for b in singles], device=device),
+                decode_blocks.to(device),
+                torch.tensor([ctx_lens[b] for b in singles], device=device),
+            )
+        q_max = max(q_lens[b] for b in rows)
         groups: list[SharedPrefix] = []
-        skip = [0] * len(chunks)  # leading blocks each sequence reads through its group
-        if q_max == 1 and len(chunks) > 1 and self.min_shared_blocks is not None:
+        skip = [0] * len(rows)  # leading blocks each sequence reads through its group
+        if q_max == 1 and len(rows) > 1 and self.min_shared_blocks is not None:
             groups = _shared_prefixes(tables, ctx_lens, bs, self.min_shared_blocks)
             for group in groups:
                 for row in group.rows.tolist():
                     skip[row] = group.blocks.shape[0]
             groups = [g.to(device) for g in groups]
-        n_max = max(len(t) - k for t, k in zip(tables, skip, strict=True))
+        n_max = max(len(tables[b]) - k for b, k in zip(rows, skip, strict=True))
         l_max = n_max * bs  # keys are gathered whole blocks at a time
-        query_index = torch.zeros(len(chunks), q_max, dtype=torch.long)
-        context_blocks = torch.zeros(len(chunks), n_max, dtype=torch.long)
-        offset = 0
-        for b, chunk in enumerate(chunks):
-            ctx = ctx_lens[b]
+        query_index = torch.zeros(len(rows), q_max, dtype=torch.long)
+        context_blocks = torch.zeros(len(rows), n_max, dtype=torch.long)
+        for r, b in enumerate(rows):
             table = tables[b]
-            context_blocks[b, : len(table) - skip[b]] = torch.tensor(table[skip[b] :])
-            input_ids.extend(chunk.token_ids)
-            positions.extend(range(chunk.start, ctx))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(chunk.start, ctx))
-            query_index[b, : q_lens[b]] = torch.arange(offset, offset + q_lens[b])
-            offset += q_lens[b]
-        q_len_t = torch.tensor(q_lens)
-        ctx_t = torch.tensor(ctx_lens) - torch.tensor(skip) * bs  # context in context_blocks
+            context_blocks[r, : len(table) - skip[r]] = torch.tensor(table[skip[r] :])
+            query_index[r, : q_lens[b]] = torch.arange(offsets[b], offsets[b] + q_lens[b])
+        q_len_t = torch.tensor([q_lens[b] for b in rows])
+        # context in context_blocks
+        ctx_t = torch.tensor([ctx_lens[b] for b in rows]) - torch.tensor(skip) * bs
         i = torch.arange(q_max)
         j = torch.arange(l_max)
         query_valid = i[None, :] < q_len_t[:, None]
@@ -114,7 +135,7 @@ class ModelRunner:
         mask = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < ctx_t[:, None, None])
         mask &= query_valid[:, :, None]
         mask[:, :, 0] |= ~query_valid  # padded query rows attend to something (no NaN)
-        last_index = torch.cumsum(q_len_t, 0) - 1
+        last_index = torch.tensor(offsets) + torch.tensor(q_lens) - 1
         return AttentionBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
@@ -126,8 +147,9 @@ class ModelRunner:
             last_index=last_index.to(device),
             key_valid=(j[None, :] < ctx_t[:, None]).to(device),
             context_lens=ctx_t.to(device),
-            decode_only=q_max == 1,
+            decode_only=q_max == 1 and not split,
             shared_prefixes=groups,
+            decode=decode,
         )
 
     def forward(self, chunks: list[SeqChunk], *, all_logits: bool = False) -> torch.Tensor:
