@@ -20,11 +20,15 @@ def default_model_file():
 
 @pytest.fixture(scope="session")
 def fp32_model(default_model_file):
+    """The default model as the CPU runtime holds it (weights in their GGUF blocks where
+    the native ops are built), float32 with float products: the exact path."""
     torch = pytest.importorskip("torch")
     from kvpool.model.gguf_weights import load_gguf_weights
     from kvpool.model.llama import LlamaModel
+    from kvpool.model.native import native_ops
 
-    config, weights = load_gguf_weights(default_model_file)
+    quantized = native_ops() is not None
+    config, weights = load_gguf_weights(default_model_file, quantized=quantized)
     return LlamaModel(config, weights, torch.device("cpu"), torch.float32)
 
 

@@ -1,8 +1,8 @@
 """Small GGUF files with random weights, written by the tests (gguf's GGUFWriter).
 
 Both architectures the runtime supports, with chosen ggml types per tensor. K-quant
-types, which the gguf package cannot quantize, are written as random blocks whose fp16
-scale fields are set to small values, so they are valid, finite blocks.
+types, which the gguf package cannot quantize, are written as random blocks
+(``kvpool.bench.random_blocks``: valid, finite blocks with small fp16 scales).
 """
 
 from __future__ import annotations
@@ -11,19 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
+from kvpool.bench.random_blocks import random_blocks
+
 HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 512
-
-# byte offsets of the fp16 scale fields in one block of each K-quant type
-_K_BLOCK = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
-
-
-def _k_quant_bytes(rows: int, cols: int, qname: str, rng: np.random.Generator) -> np.ndarray:
-    size, scale_offsets = _K_BLOCK[qname]
-    blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
-    for off in scale_offsets:
-        scale = rng.uniform(0.002, 0.01, size=blocks.shape[0]).astype(np.float16)
-        blocks[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, cols // 256 * size)
 
 
 def write_model(
@@ -91,8 +81,8 @@ def write_model(
             writer.add_tensor(name, data)
         elif qname == "F16":
             writer.add_tensor(name, data.astype(np.float16))
-        elif qname in _K_BLOCK:
-            raw = _k_quant_bytes(shape[0], shape[1], qname, rng)
+        elif qname.endswith("_K"):
+            raw = random_blocks(qname, shape[0], shape[1], rng, scale=0.15)
             writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qname])
         else:
             qtype = gguf.GGMLQuantizationType[qname]

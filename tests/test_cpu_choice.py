@@ -30,18 +30,17 @@ def test_features_agree_with_torch_and_with_each_other():
 
 
 def _choices(env_features: str | None) -> dict:
-    """The choices a fresh process makes for the default model forced to bf16, and its
-    default dtype (features narrowed)."""
+    """The choices a fresh process makes for the default model (features narrowed)."""
     code = (
         "import json\n"
         "from kvpool.model.cpu import cpu_features\n"
         "from kvpool.model.loader import choose_device, choose_dtype, load_model\n"
-        "loaded = load_model(None, dtype='bfloat16', progress=False)\n"
-        "m = loaded.model\n"
+        "from kvpool.model.native import kernel_variant\n"
+        "from kvpool.model.products import QuantLinear\n"
+        "m = load_model(None, progress=False).model\n"
         "print(json.dumps({'features': cpu_features().__dict__, 'dtype': str(m.dtype),\n"
-        "  'default_dtype': str(choose_dtype(None, choose_device())),\n"
-        "  'prepacked': m.layers[0].qkv.packed is not None,\n"
-        "  'int4': m.layers[0].down.int4 is not None, 'q8_head': m.q8_head is not None}))\n"
+        "  'variant': kernel_variant(), 'quantized': isinstance(m.layers[0].qkv, QuantLinear),\n"
+        "  'policy_variant': m.products.variant, 'exact': m.products.exact}))\n"
     )
     env = dict(os.environ)
     if env_features is not None:
@@ -52,27 +51,43 @@ def _choices(env_features: str | None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _expected(features: dict) -> dict:
-    bf16 = features["bf16_products"]
-    return {
-        "default_dtype": "torch.bfloat16" if bf16 else "torch.float32",
-        "prepacked": bf16,
-        "int4": bf16,  # the default model's FFN down weights are Q4_1
-        "q8_head": bf16,  # its tied embedding is Q8_0 (and the native ops are built)
-    }
+def _best_variant(cpu: CpuFeatures) -> str:
+    """The kernels a CPU with these features should get."""
+    if cpu.avx512 and cpu.avx512_vnni and cpu.avx512_bf16:
+        return "avx512-bf16"
+    if cpu.avx512 and cpu.avx512_vnni:
+        return "avx512-vnni"
+    return "avx2" if cpu.avx2 else "generic"
 
 
 @pytest.mark.parametrize("narrowed", [None, "avx2", "none"])
 def test_choices_follow_the_cpu(narrowed):
+    from kvpool.model.native import native_ops
+
     got = _choices(narrowed)
     cpu = CpuFeatures(**got["features"])
     if narrowed is not None:
         kept = set(narrowed.split(","))
         assert not any(getattr(cpu, n) for n in ("avx512", "avx512_bf16", "amx") if n not in kept)
         assert not cpu.bf16_products
-    want = _expected(got["features"])
+    assert got["dtype"] == ("torch.bfloat16" if cpu.bf16_products else "torch.float32")
+    if native_ops() is None:
+        assert not got["quantized"] and got["variant"] == ""
+        return
+    assert got["quantized"] and not got["exact"]  # the default: weights in their blocks
+    assert got["variant"] == got["policy_variant"] == _best_variant(cpu)
+
+
+def test_the_module_runs_what_the_cpu_has():
+    """The native module's own CPUID checks agree with torch's cpuinfo."""
     from kvpool.model.native import native_ops
 
-    if native_ops() is None:
-        want["q8_head"] = False
-    assert {k: got[k] for k in want} == want
+    ops = native_ops()
+    if ops is None:
+        pytest.skip("native ops not built here")
+    cpu = cpu_features()
+    variants = ops.kernel_variants()
+    assert variants[-1] == "generic"
+    assert ("avx2" in variants) == cpu.avx2
+    assert ("avx512-vnni" in variants) == (cpu.avx512 and cpu.avx512_vnni)
+    assert ("avx512-bf16" in variants) == (cpu.avx512 and cpu.avx512_vnni and cpu.avx512_bf16)

@@ -38,16 +38,30 @@ def _reference(q, layer_kv, tables, lens, block_size):
     return torch.stack(rows)
 
 
+VARIANTS = ["avx512-bf16", "avx512-vnni", "avx2", "generic"]
+
+
+def needs_variant(variant: str):
+    """Run a test of ``variant``'s kernels where this CPU runs them; skip, with the
+    reason, where it does not."""
+    runnable = ops.kernel_variants() if ops is not None else []
+    return pytest.mark.skipif(
+        variant not in runnable,
+        reason=f"this CPU cannot run the {variant} kernels ({cpu_features().summary()})",
+    )
+
+
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=needs_variant(v)) for v in VARIANTS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 4), (80, 32)])
-def test_op_matches_a_plain_softmax_over_each_sequence(dtype, head_dim, block_size):
+def test_op_matches_a_plain_softmax_over_each_sequence(dtype, head_dim, block_size, variant):
     gen = torch.Generator().manual_seed(head_dim)
     nkv, nh, blocks = 2, 6, 40
     layer_kv = torch.randn(2 * nkv, blocks * block_size, head_dim, generator=gen).to(dtype)
     lens = torch.tensor([1, block_size, 3 * block_size + 1, 7 * block_size - 2])
     tables = torch.stack([torch.randperm(blocks, generator=gen)[:7] for _ in lens])
     q = torch.randn(len(lens), nh, head_dim, generator=gen).to(dtype)
-    got = native(q, layer_kv, tables, lens, block_size, head_dim**-0.5)
+    got = native(q, layer_kv, tables, lens, block_size, head_dim**-0.5, variant)
     want = _reference(q, layer_kv, tables, lens, block_size)
     assert got.dtype == dtype and got.shape == (len(lens), nh * head_dim)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
@@ -148,10 +162,13 @@ def test_fused_ops_reject_bad_input():
 def bf16_model(default_model_file):
     from kvpool.model.gguf_weights import load_gguf_weights
     from kvpool.model.llama import LlamaModel
+    from kvpool.model.products import ProductPolicy
 
-    rows: dict = {}  # as the loader does: the Q8_0 embedding kept in its blocks
-    config, weights = load_gguf_weights(default_model_file, torch.bfloat16, rows=rows)
-    return LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, rows=rows)
+    # The weights kept in their blocks, as the loader does, with float products: these
+    # tests are about the fused ops, whose roundings int8 activations would drown.
+    config, weights = load_gguf_weights(default_model_file, torch.bfloat16, quantized=True)
+    exact = ProductPolicy(exact=True)
+    return LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, exact)
 
 
 def _prefill_and_decode(model, fused):
@@ -202,71 +219,33 @@ def test_sources_are_staged_beside_the_build(tmp_path):
     staged = native_module._staged_sources(tmp_path)
     assert [p.name for p in staged] == [p.name for p in native_module._SOURCES]
     assert all(p.parent == tmp_path / "src" for p in staged)
+    for header in native_module._HEADERS:  # the sources include them from beside
+        assert (tmp_path / "src" / header.name).read_bytes() == header.read_bytes()
     assert [p.read_bytes() for p in staged] == [p.read_bytes() for p in native_module._SOURCES]
     before = [p.stat().st_mtime_ns for p in staged]
     assert native_module._staged_sources(tmp_path) == staged
     assert [p.stat().st_mtime_ns for p in staged] == before  # unchanged files not rewritten
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 8])
-def test_q8_0_matvec_matches_the_dequantized_product(dtype, rows):
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
+@pytest.fixture(scope="module")
+def int8_model(default_model_file):
+    """bf16 with int8 products at every step size: every row computed alone."""
+    from kvpool.model.gguf_weights import load_gguf_weights
+    from kvpool.model.llama import LlamaModel
+    from kvpool.model.products import ProductPolicy
 
-    gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(300, 96, generator=gen).numpy()
-    raw = quantize(weight, GGMLQuantizationType.Q8_0)  # uint8 [300, 3 * 34]
-    exact = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0))
-    x = torch.randn(rows, 96, generator=gen).to(dtype)
-    got = ops.q8_0_matvec(x, torch.from_numpy(raw))
-    assert got.dtype == torch.float32 and got.shape == (rows, 300)
-    assert (got - x.float() @ exact.T).abs().max().item() < 1e-4
+    config, weights = load_gguf_weights(default_model_file, torch.bfloat16, quantized=True)
+    policy = ProductPolicy(int8_max_rows=None)
+    return LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, policy)
 
 
-def test_q8_0_matvec_rejects_bad_input():
-    raw = torch.zeros(4, 34, dtype=torch.uint8)
-    with pytest.raises(RuntimeError, match="raw"):
-        ops.q8_0_matvec(torch.zeros(1, 64), raw)
-    with pytest.raises(RuntimeError, match="rows"):
-        ops.q8_0_matvec(torch.zeros(9, 32), raw)
-
-
-@pytest.mark.skipif(
-    not cpu_features().bf16_products,
-    reason=f"the Q8_0 head rides with prepacked bf16 weights ({cpu_features().summary()})",
-)
-def test_bf16_batch_one_head_reads_the_q8_0_embedding(fp32_model, bf16_model):
-    """The default model's tied head is Q8_0 in the file: one-row steps read those blocks
-    and give float32 logits from the exact weights, closer to the float32 model's than
-    the bf16 product's (which rounds weights and logits to bf16)."""
-    assert bf16_model.q8_head is not None and fp32_model.q8_head is None
-    prompt = [(13 * i) % 40000 + 3 for i in range(50)]
-    logits = {}
-    for name, model in (("fp32", fp32_model), ("q8", bf16_model), ("bf16", bf16_model)):
-        saved = model.q8_head
-        if name == "bf16":
-            model.q8_head = None
-        try:
-            manager = KVCacheManager(16, 16)
-            runner = ModelRunner(model, manager, threads=None)
-            manager.allocate(0, prompt)
-            logits[name] = runner.forward([SeqChunk(0, prompt, 0)]).float()
-        finally:
-            model.q8_head = saved
-    q8_error = (logits["q8"] - logits["fp32"]).abs().mean().item()
-    bf16_error = (logits["bf16"] - logits["fp32"]).abs().mean().item()
-    assert q8_error < bf16_error
-    assert logits["q8"].argmax(-1).tolist() == logits["fp32"].argmax(-1).tolist()
-
-
-@pytest.mark.parametrize("model_name", ["fp32_model", "bf16_model"])
+@pytest.mark.parametrize("model_name", ["fp32_model", "int8_model"])
 def test_mixed_steps_attend_decode_tokens_natively(request, model_name, monkeypatch):
     """In a step mixing decode tokens with a prefill chunk, the decode tokens take the
     native attention (once a layer, their rows only), as in a decode-only step, instead
     of being padded to the chunk's length; their logits stay those of the decode-only
-    step (bit for bit where the products are row-invariant, as the prepacked bf16 ones
-    are here)."""
+    step, and bit for bit with int8 products, which compute each row alone: the batch
+    changes nothing."""
     model = request.getfixturevalue(model_name)
     a = [(13 * i) % 40000 + 3 for i in range(50)]
     b = [(7 * i) % 40000 + 5 for i in range(90)]
@@ -294,5 +273,7 @@ def test_mixed_steps_attend_decode_tokens_natively(request, model_name, monkeypa
         return logits
 
     alone, mixed = decode_logits(False), decode_logits(True)
+    if model_name == "int8_model":
+        assert torch.equal(alone, mixed)
     assert (alone - mixed).abs().max().item() <= 1e-4 * alone.abs().max().item()
     assert alone.argmax() == mixed.argmax()

@@ -11,7 +11,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kvpool.cache import KVCacheManager  # noqa: E402
-from kvpool.model.gguf_weights import load_gguf_weights  # noqa: E402
+from kvpool.model.gguf_weights import (  # noqa: E402
+    QuantizedMatrix,
+    QuantizedRows,
+    load_gguf_weights,
+)
 from kvpool.model.llama import LlamaModel  # noqa: E402
 from kvpool.model.runner import ModelRunner, SeqChunk  # noqa: E402
 from tests.synthetic_gguf import write_model  # noqa: E402
@@ -27,7 +31,32 @@ MIXES = {
         "attn_v.weight": "Q6_K", "attn_output.weight": "Q4_K", "ffn_gate.weight": "Q5_K",
         "ffn_up.weight": "Q4_K", "ffn_down.weight": "Q6_K", "output.weight": "Q8_0",
     },
+    "low-bit": {
+        "token_embd.weight": "Q4_K", "attn_q.weight": "Q2_K", "attn_k.weight": "Q3_K",
+        "attn_v.weight": "Q3_K", "attn_output.weight": "Q2_K", "ffn_gate.weight": "Q3_K",
+        "ffn_up.weight": "Q2_K", "ffn_down.weight": "Q3_K", "output.weight": "Q6_K",
+    },
 }  # fmt: skip
+# The quantized path's logits against the dequantized reference: float products are
+# exact up to the order of sums; int8 products (activations quantized per block of 32)
+# stay within this share of the largest logit (measured on these random models:
+# 3-9%; on the default model: tests/test_quant_products.py).
+INT8_LOGIT_BOUND = 0.1
+
+
+def _native():
+    from kvpool.model.native import native_ops
+
+    return native_ops()
+
+
+def _logits(model, prompt: list[int]) -> torch.Tensor:
+    runner = ModelRunner(model, KVCacheManager(32, 16))
+    runner.manager.allocate("s", prompt[:-1])
+    prefill = runner.forward([SeqChunk("s", prompt[:-1], 0)], all_logits=True)
+    runner.manager.append("s", prompt[-1:])
+    decode = runner.forward([SeqChunk("s", prompt[-1:], len(prompt) - 1)])
+    return torch.cat([prefill, decode])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -37,22 +66,36 @@ def test_random_model_matches_reference(tmp_path: Path, arch: str, mix: str):
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file=path.name, dtype=torch.float32
     )
-    rows: dict = {}  # the quantized embedding is looked up in its blocks
-    config, weights = load_gguf_weights(path, rows=rows)
+    quantized = _native() is not None  # the weights in their blocks, as the runtime has them
+    config, weights = load_gguf_weights(path, quantized=quantized)
     assert config.architecture == arch and config.attention_bias == (arch == "qwen2")
-    model = LlamaModel(config, weights, torch.device("cpu"), torch.float32, rows=rows)
-    assert model.embed is rows["token_embd.weight"]
-    runner = ModelRunner(model, KVCacheManager(32, 16))
+    model = LlamaModel(config, weights, torch.device("cpu"), torch.float32)
+    if quantized:
+        assert isinstance(model.embed, QuantizedRows)
     prompt = [(7 * i + 3) % 500 for i in range(45)]
-    runner.manager.allocate("s", prompt[:-1])
-    prefill = runner.forward([SeqChunk("s", prompt[:-1], 0)], all_logits=True)
-    runner.manager.append("s", prompt[-1:])
-    decode = runner.forward([SeqChunk("s", prompt[-1:], len(prompt) - 1)])
-    ours = torch.cat([prefill, decode])
+    ours = _logits(model, prompt)
     with torch.inference_mode():
         ref = reference(torch.tensor([prompt])).logits[0].float()
     assert ref.abs().max() > 1.0  # the comparison is not between near-zero logits
     assert (ours - ref).abs().max().item() < 1e-3
+
+
+@pytest.mark.skipif(_native() is None, reason="the native ops are not built here")
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_int8_products_stay_near_the_float_products(tmp_path: Path, mix: str):
+    """Every quant type's int8 products (the fast path) against its float products
+    (the dequantized reference), whole model, in float32 activations."""
+    from kvpool.model.products import ProductPolicy
+
+    path = write_model(tmp_path / f"{mix}.gguf", "llama", MIXES[mix], seed=len(mix))
+    logits = {}
+    for name, policy in (("float", ProductPolicy(exact=True)), ("int8", ProductPolicy())):
+        config, weights = load_gguf_weights(path, quantized=True)
+        model = LlamaModel(config, weights, torch.device("cpu"), torch.float32, policy)
+        logits[name] = _logits(model, [(5 * i + 1) % 500 for i in range(40)])
+    scale = logits["float"].abs().max().item()
+    error = (logits["int8"] - logits["float"]).abs().max().item()
+    assert scale > 1.0 and error < INT8_LOGIT_BOUND * scale, (error, scale)
 
 
 def _llama3_rope_factors(head_dim: int, base: float, scaling: dict[str, float]):
@@ -106,21 +149,27 @@ def test_llama3_rope_scaling_matches_reference(tmp_path: Path):
     assert (ours - unscaled).abs().max().item() > 1e-2  # the scaling is really applied
 
 
-@pytest.mark.parametrize("qname", ["Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qname", ["Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q6_K", "Q2_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_embedding_rows_equal_the_dequantized_matrix(tmp_path, qname, dtype):
     path = write_model(tmp_path / "m.gguf", "llama", {"token_embd.weight": qname})
-    rows: dict = {}
-    _, weights = load_gguf_weights(path, dtype, rows=rows)
-    table, dense = rows["token_embd.weight"], weights["token_embd.weight"]
-    assert table.shape == tuple(dense.shape) and table.numel() == dense.numel()
-    ids = torch.tensor([0, 7, 7, dense.shape[0] - 1, 3])
+    _, kept = load_gguf_weights(path, dtype, quantized=True)
+    _, dense = load_gguf_weights(path, dtype)
+    table = QuantizedRows(kept["token_embd.weight"], dtype)
+    full = dense["token_embd.weight"]
+    assert table.shape == tuple(full.shape) and table.numel() == full.numel()
+    ids = torch.tensor([0, 7, 7, full.shape[0] - 1, 3])
     got = table[ids]
-    assert got.dtype == dtype and torch.equal(got, dense[ids])
+    assert got.dtype == dtype and torch.equal(got, full[ids])
 
 
-def test_unquantized_embedding_is_not_kept_twice(tmp_path):
-    path = write_model(tmp_path / "m.gguf", "llama", {"token_embd.weight": "F16"})
-    rows: dict = {}
-    load_gguf_weights(path, rows=rows)
-    assert rows == {}
+def test_quantized_weights_are_kept_once_in_their_blocks(tmp_path):
+    """Quantized matrices stay as the file's bytes (one copy: the file's size), F16 ones
+    dense in the runtime's dtype, and 1-D tensors dense."""
+    path = write_model(tmp_path / "m.gguf", "llama", {**MIXES["k-quants"], "ffn_up.weight": "F16"})
+    _, kept = load_gguf_weights(path, quantized=True)
+    q = kept["blk.0.attn_q.weight"]
+    assert isinstance(q, QuantizedMatrix) and q.raw.dtype == torch.uint8
+    assert q.nbytes == q.numel() // 256 * 144  # Q4_K: 144 bytes per 256 values
+    assert isinstance(kept["blk.0.ffn_up.weight"], torch.Tensor)
+    assert isinstance(kept["blk.0.attn_norm.weight"], torch.Tensor)

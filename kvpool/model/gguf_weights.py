@@ -1,10 +1,14 @@
-"""Tensors of a GGUF file, dequantized into torch tensors in the runtime's dtype.
+"""Tensors of a GGUF file as the runtime holds them.
 
 The header is parsed once (``kvpool.formats.gguf_header``); tensor data is read through a
-memory map and dequantized with the ``gguf`` package's numpy kernels (F32, F16, BF16 are
-reinterpreted directly). llama.cpp's converter permutes the rows of llama Q and K weights
-for its interleaved rotary layout; they are permuted back here, so the model uses the
-usual half-split rotary form.
+memory map. With ``quantized=True`` (the CPU runtime with its native kernels) every
+quantized matrix stays in its GGUF blocks (``QuantizedMatrix``: the file's bytes, the
+one copy the model keeps, multiplied by ``native.quant_matmul``); otherwise, and for
+unquantized and 1-D tensors, tensors are dequantized with the ``gguf`` package's numpy
+kernels (F32, F16, BF16 are reinterpreted directly) into the runtime's dtype.
+llama.cpp's converter permutes the rows of llama Q and K weights for its interleaved
+rotary layout; they are permuted back here (whole rows of blocks, for quantized ones),
+so the model uses the usual half-split rotary form.
 """
 
 from __future__ import annotations
@@ -20,75 +24,67 @@ from kvpool.formats.gguf_header import GGUFHeader, GGUFTensorInfo, read_gguf_hea
 from kvpool.model.config import ModelConfig, UnsupportedModel
 
 # ggml type ids read without the gguf package
-_F32, _F16, _BF16, _Q4_0, _Q4_1 = 0, 1, 30, 2, 3
+_F32, _F16, _BF16 = 0, 1, 30
 _UNQUANTIZED = (_F32, _F16, _BF16)
-_Q4_GROUP = 32
+# The types the native kernels multiply by (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K);
+# any other quantized type is dequantized at load.
+KEPT_QUANTIZED = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
 _EMBEDDING = "token_embd.weight"
 
 
 @dataclass
-class Int4Weight:
-    """A Q4_0 / Q4_1 matrix ``[N, K]`` in torch's CPU int4 layout, without dequantizing:
-    ``w = (q - 8) * scale + zero`` per group of 32 along K. The mapping is exact:
-    Q4_0 (``d * (q - 8)``) has ``scale = d, zero = 0``; Q4_1 (``d * q + m``) has
-    ``scale = d, zero = m + 8 d``. Rows concatenate (fused QKV, gate/up)."""
+class QuantizedMatrix:
+    """A matrix ``[rows, cols]`` kept as its GGUF blocks: ``raw`` is uint8
+    ``[rows, bytes per row]`` (each row whole blocks of ggml type ``qtype``)."""
 
-    packed: torch.Tensor  # uint8 [N, K / 2], from _convert_weight_to_int4pack_for_cpu
-    scales_zeros: torch.Tensor  # float32 [K / 32, N, 2]
+    raw: torch.Tensor
+    qtype: int
+    cols: int
 
-    @staticmethod
-    def cat(parts: list[Int4Weight]) -> Int4Weight:
-        return Int4Weight(
-            torch.cat([p.packed for p in parts]), torch.cat([p.scales_zeros for p in parts], 1)
-        )
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.raw.shape[0], self.cols)
+
+    def numel(self) -> int:
+        return self.raw.shape[0] * self.cols
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 ``[rows, cols]`` (all rows, or the ones ``rows`` selects): natively
+        where the ops are built, else with the gguf package's numpy kernels (the same
+        values, bit for bit: tests compare them)."""
+        from kvpool.model.native import native_ops
+
+        raw = self.raw if rows is None else self.raw[rows.cpu()]
+        ops = native_ops()
+        if ops is not None:
+            return ops.quant_dequantize(raw, self.qtype, self.cols)
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        return torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType(self.qtype)))
 
 
 class QuantizedRows:
-    """A matrix ``[N, K]`` kept as its GGUF blocks, rows dequantized when looked up: for a
-    token embedding, the few rows a step reads instead of a dequantized copy of all of
-    them (SmolLM2's Q8_0 embedding: 30 MB instead of 57 MB in bf16; a Llama 3 8B's Q4_K
-    one: 0.3 instead of 1 GB). Rows are bit-identical to those of the whole matrix
-    dequantized: each row is whole blocks, dequantized alone by the same kernels."""
+    """A token embedding ``[vocab, dim]`` kept as its GGUF blocks, rows dequantized when
+    looked up: the few rows a step reads instead of a dequantized copy of all of them
+    (SmolLM2's Q8_0 embedding: 30 MB instead of 57 MB in bf16; a Llama 3 8B's Q4_K one:
+    0.3 instead of 1 GB). Rows are bit-identical to those of the whole matrix
+    dequantized. A tied output head multiplies by the same blocks."""
 
-    def __init__(self, raw: np.ndarray, qtype: int, cols: int, dtype: torch.dtype) -> None:
-        from gguf import GGMLQuantizationType
-
-        self.raw = raw  # uint8 [N, bytes per row]
-        self.qtype = GGMLQuantizationType(qtype)
-        self.shape = (raw.shape[0], cols)
+    def __init__(self, matrix: QuantizedMatrix, dtype: torch.dtype) -> None:
+        self.matrix = matrix
+        self.shape = matrix.shape
         self.dtype = dtype
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
-        from gguf.quants import dequantize
-
-        rows = self.raw[ids.cpu().numpy()]
-        return torch.from_numpy(dequantize(rows, self.qtype)).to(self.dtype)
+        return self.matrix.dequantize(ids).to(self.dtype)
 
     def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
-
-
-def _int4_weight(raw: np.ndarray, info: GGUFTensorInfo, row_order: torch.Tensor | None):
-    """``Int4Weight`` of a 2-D Q4_0 / Q4_1 tensor (rows reordered by ``row_order``)."""
-    k, n = info.shape  # ggml order
-    block = 18 if info.ggml_type == _Q4_0 else 20
-    blocks = raw.reshape(n, k // _Q4_GROUP, block)
-    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if info.ggml_type == _Q4_0:
-        zero = np.zeros_like(d)
-        qs = blocks[:, :, 2:18]
-    else:
-        m = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zero = m + 8 * d
-        qs = blocks[:, :, 4:20]
-    # element j of a group is the low nibble of byte j, element j + 16 the high nibble
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
-    q_t = torch.from_numpy(q.astype(np.int32))
-    sz = torch.from_numpy(np.stack([d, zero], axis=-1))  # [N, groups, 2]
-    if row_order is not None:
-        q_t, sz = q_t[row_order], sz[row_order]
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q_t, 1)
-    return Int4Weight(packed, sz.transpose(0, 1).contiguous())
+        return self.matrix.numel()
 
 
 def _dequantize(raw: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
@@ -128,35 +124,34 @@ def load_gguf_weights(
     *,
     header: GGUFHeader | None = None,
     on_tensor: Callable[[int, int], None] | None = None,
-    int4: dict[str, Int4Weight] | None = None,
-    rows: dict[str, QuantizedRows] | None = None,
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """Config and every tensor of the file, by GGUF name, dequantized to ``dtype``. With
-    ``int4`` given, Q4_0 / Q4_1 matrices are also put there in torch's int4 layout; with
-    ``rows`` given, a quantized token embedding is also put there as ``QuantizedRows``."""
+    quantized: bool = False,
+) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedMatrix]]:
+    """Config and every tensor of the file, by GGUF name: dequantized to ``dtype``, or,
+    with ``quantized``, each quantized matrix as a ``QuantizedMatrix`` of its blocks."""
     header = header or read_gguf_header(path)
     config = ModelConfig.from_gguf(header)
     data = np.memmap(header.path, dtype=np.uint8, mode="r", offset=header.data_offset)
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | QuantizedMatrix] = {}
     for i, info in enumerate(header.tensors):
         raw = np.asarray(data[info.offset : info.offset + info.num_bytes])
-        array = _dequantize(raw, info)
-        if not array.flags.writeable:  # a view of the read-only map
-            array = array.copy()
-        tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(dtype)
         heads = _rotary_heads(config, info.name)
-        if heads:
-            tensor = _unpermute_rotary(tensor, heads)
-        weights[info.name] = tensor
-        if rows is not None and info.name == _EMBEDDING and info.ggml_type not in _UNQUANTIZED:
-            n = info.shape[1]
-            rows[info.name] = QuantizedRows(raw.reshape(n, -1).copy(), info.ggml_type,
-                                            info.shape[0], dtype)  # fmt: skip
-        if int4 is not None and info.ggml_type in (_Q4_0, _Q4_1) and len(info.shape) == 2:
-            order = _rotary_row_order(info.shape[1], heads) if heads else None
-            int4[info.name] = _int4_weight(raw, info, order)
+        if quantized and info.ggml_type in KEPT_QUANTIZED and len(info.shape) == 2:
+            rows = raw.reshape(info.shape[1], -1)
+            if heads:
+                rows = rows[_rotary_row_order(rows.shape[0], heads).numpy()]
+            matrix = torch.from_numpy(np.array(rows))  # a copy: the file is closed after
+            weights[info.name] = QuantizedMatrix(matrix, info.ggml_type, info.shape[0])
+        else:
+            array = _dequantize(raw, info)
+            if not array.flags.writeable:  # a view of the read-only map
+                array = array.copy()
+            tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(dtype)
+            if heads:
+                tensor = _unpermute_rotary(tensor, heads)
+            weights[info.name] = tensor
         if on_tensor:
             on_tensor(i + 1, len(header.tensors))
+    del data
     return config, weights
 
 

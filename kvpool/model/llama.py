@@ -18,9 +18,10 @@ import torch.nn.functional as F
 
 from kvpool.model.config import ModelConfig
 from kvpool.model.cpu import cpu_features
-from kvpool.model.gguf_weights import Int4Weight, QuantizedRows
+from kvpool.model.gguf_weights import QuantizedMatrix, QuantizedRows
 from kvpool.model.kv_store import PagedKVStore
-from kvpool.model.native import native_ops
+from kvpool.model.native import kernel_variant, native_ops
+from kvpool.model.products import ProductPolicy, QuantLinear
 
 
 @dataclass
@@ -68,11 +69,6 @@ class SharedPrefix:
         return SharedPrefix(self.blocks.to(device), self.rows.to(device))
 
 
-# Products of at most this many rows use the int4 weights when a layer has them.
-INT4_MAX_ROWS = 4
-# Heads of steps of at most this many rows read a tied Q8_0 embedding natively (SmolLM2:
-# 1 row 1.72 -> 0.89 ms, 2 rows 1.48 -> 1.13; 4 rows already slower, 1.88 vs 1.66).
-Q8_HEAD_MAX_ROWS = 2
 # Decode steps whose sequences have at most this many context keys in all compute their
 # attention in fp32 on the CPU (measured, 2 cores, one sequence: 128 keys 57 -> 33 us a
 # layer, 384 on par, 512 and any larger batch slower).
@@ -87,39 +83,26 @@ def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 class Linear:
-    """``y = x W^T (+ b)``.
+    """``y = x W^T (+ b)`` with a dense weight (an F32/F16/BF16 file, or any file where
+    the native kernels are not built, and every device but the CPU).
 
     On the CPU in bfloat16 the weight is prepacked once into oneDNN's blocked layout,
     which runs the small-batch products of decoding 1.3-2x faster than ``F.linear`` on
-    the plain layout; elsewhere it is ``F.linear``. A layer whose file weights are Q4_0 /
-    Q4_1 may also keep them in torch's int4 layout (``int4``): for products of at most
-    ``INT4_MAX_ROWS`` rows that reads a quarter of the bytes and runs 2.5x faster at one
-    row, but falls behind bf16 from about 8 rows on, so larger steps use the bf16 copy.
+    the plain layout; elsewhere it is ``F.linear``.
     """
 
-    __slots__ = ("bias", "int4", "numel_", "packed", "weight")
+    __slots__ = ("bias", "numel_", "packed", "weight")
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        int4: Int4Weight | None = None,
-    ) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight: torch.Tensor | None = weight
         self.bias = bias
         self.numel_ = weight.numel() + (bias.numel() if bias is not None else 0)
         self.packed = None
-        self.int4 = None
         if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and can_prepack():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             self.weight = None  # the packed copy is the only one kept
-            if int4 is not None:
-                self.int4 = (int4.packed, int4.scales_zeros.to(torch.bfloat16))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4[0], 32, self.int4[1])
-            return y if self.bias is None else y + self.bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -129,19 +112,19 @@ class Linear:
 
 
 def can_prepack() -> bool:
-    """bf16 weights are prepacked for oneDNN (and the int4 and Q8_0 paths ride with them)
-    only where the CPU runs bf16 products in hardware: elsewhere oneDNN emulates them."""
+    """Dense bf16 weights are prepacked for oneDNN only where the CPU runs bf16 products
+    in hardware: elsewhere oneDNN emulates them."""
     return cpu_features().bf16_products
 
 
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor
-    qkv: Linear  # [q + 2 kv, hidden], fused
-    o: Linear
+    qkv: Linear | QuantLinear  # [q + 2 kv, hidden], fused
+    o: Linear | QuantLinear
     ffn_norm: torch.Tensor
-    gate_up: Linear  # [2 inter, hidden], fused
-    down: Linear
+    gate_up: Linear | QuantLinear  # [2 inter, hidden], fused
+    down: Linear | QuantLinear
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -163,39 +146,53 @@ class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, torch.Tensor | QuantizedMatrix],
         device: torch.device,
         dtype: torch.dtype,
-        int4: dict[str, Int4Weight] | None = None,
-        rows: dict[str, QuantizedRows] | None = None,
+        products: ProductPolicy | None = None,
     ) -> None:
-        """Build from GGUF-named tensors; ``weights`` is consumed (emptied). ``int4``
-        (Q4 matrices in torch's int4 layout) is used on the CPU in bfloat16 only;
-        ``rows`` (a quantized token embedding kept as its blocks) on the CPU only, where
-        it replaces a dequantized copy that would be kept for lookups alone."""
+        """Build from GGUF-named tensors; ``weights`` is consumed (emptied). Matrices
+        given as ``QuantizedMatrix`` (the CPU runtime with native kernels) stay in their
+        blocks and are multiplied by ``QuantLinear`` under ``products``; the token
+        embedding then stays in its blocks too (rows dequantized on lookup), and a tied
+        head multiplies by those same blocks. Dense tensors become ``Linear``s."""
         self.config = config
         self.device = device
         self.dtype = dtype
-        int4 = int4 or {}
+        self.products = products or ProductPolicy(
+            exact=dtype == torch.float32, variant=kernel_variant()
+        )
 
         def w(name: str) -> torch.Tensor:
             # Consumes the dict as it goes, so the plain copies can be freed early.
-            return weights.pop(name).to(device=device, dtype=dtype).contiguous()
+            tensor = weights.pop(name)
+            if isinstance(tensor, QuantizedMatrix):
+                tensor = tensor.dequantize()
+            return tensor.to(device=device, dtype=dtype).contiguous()
 
-        def q4(*names: str) -> Int4Weight | None:
-            parts = [int4.get(name) for name in names]
-            return Int4Weight.cat(parts) if all(p is not None for p in parts) else None
+        def linear(names: list[str], bias: torch.Tensor | None = None) -> Linear | QuantLinear:
+            parts = [weights.pop(name) for name in names]
+            if device.type == "cpu" and all(isinstance(p, QuantizedMatrix) for p in parts):
+                return QuantLinear(parts, bias, self.products)  # type: ignore[arg-type]
+            dense = [p.dequantize() if isinstance(p, QuantizedMatrix) else p for p in parts]
+            return Linear(torch.cat(dense).to(device=device, dtype=dtype).contiguous(), bias)
 
-        embed = w("token_embd.weight")
-        quantized = (rows or {}).get("token_embd.weight") if device.type == "cpu" else None
-        self.embed: torch.Tensor | QuantizedRows = embed if quantized is None else quantized
-        if config.tie_word_embeddings:
-            self.lm_head = Linear(embed)
-            if self.lm_head.weight is embed:  # one plain copy serves both
-                self.embed = embed
+        embedding = weights.get("token_embd.weight")
+        if isinstance(embedding, QuantizedMatrix) and device.type == "cpu":
+            weights.pop("token_embd.weight")
+            self.embed: torch.Tensor | QuantizedRows = QuantizedRows(embedding, dtype)
+            if config.tie_word_embeddings:
+                self.lm_head: Linear | QuantLinear = QuantLinear(
+                    [embedding], None, self.products, float_out=True
+                )
         else:
-            self.lm_head = Linear(w("output.weight"), None, q4("output.weight"))
-        del embed
+            self.embed = w("token_embd.weight")
+            if config.tie_word_embeddings:
+                self.lm_head = Linear(self.embed)
+        if not config.tie_word_embeddings:
+            self.lm_head = linear(["output.weight"])
+            if isinstance(self.lm_head, QuantLinear):
+                self.lm_head.float_out = True  # float32 logits (no bf16 rounding, no ties)
         self.final_norm = w("output_norm.weight")
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
@@ -203,18 +200,16 @@ class LlamaModel:
             bias = None
             if config.attention_bias:
                 bias = torch.cat([w(p + "attn_q.bias"), w(p + "attn_k.bias"), w(p + "attn_v.bias")])
-            qkv_names = [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"]
-            gate_up_names = [p + "ffn_gate.weight", p + "ffn_up.weight"]
             self.layers.append(
                 _Layer(
                     attn_norm=w(p + "attn_norm.weight"),
-                    qkv=Linear(torch.cat([w(n) for n in qkv_names]), bias, q4(*qkv_names)),
-                    o=Linear(w(p + "attn_output.weight"), None, q4(p + "attn_output.weight")),
-                    ffn_norm=w(p + "ffn_norm.weight"),
-                    gate_up=Linear(
-                        torch.cat([w(n) for n in gate_up_names]), None, q4(*gate_up_names)
+                    qkv=linear(
+                        [p + n for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")], bias
                     ),
-                    down=Linear(w(p + "ffn_down.weight"), None, q4(p + "ffn_down.weight")),
+                    o=linear([p + "attn_output.weight"]),
+                    ffn_norm=w(p + "ffn_norm.weight"),
+                    gate_up=linear([p + "ffn_gate.weight", p + "ffn_up.weight"]),
+                    down=linear([p + "ffn_down.weight"]),
                 )
             )
         d = config.head_dim
@@ -233,15 +228,6 @@ class LlamaModel:
         ops = native_ops() if cpu_dtype else None
         self.native_decode = ops.paged_decode_attention if ops is not None else None
         self.native_fused = ops
-        # The head of small steps from the file's Q8_0 blocks (a tied embedding kept as
-        # them, so in bf16 on the CPU): half the bytes of the bf16 copy, and float32
-        # logits from the exact weights (the bf16 product rounds them: ties).
-        self.q8_head: torch.Tensor | None = None
-        self._q8_matvec = None
-        tied_q8 = isinstance(self.embed, QuantizedRows) and self.embed.qtype.name == "Q8_0"
-        if ops is not None and tied_q8 and config.tie_word_embeddings:
-            self.q8_head = torch.from_numpy(self.embed.raw)
-            self._q8_matvec = ops.q8_0_matvec
 
     def _heavy(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a matrix product or a large gather on ``heavy_threads`` threads."""
@@ -358,8 +344,9 @@ class LlamaModel:
         out[chunked] = self._attend(q, kv.layers[layer], batch, None, head_blocks, rows=True)
         native = self.native_decode
         out[tokens] = self._heavy(
-            native, q[tokens].contiguous(), kv.layers[layer], blocks, lens, kv.block_size, d**-0.5
-        )
+            native, q[tokens].contiguous(), kv.layers[layer], blocks, lens, kv.block_size,
+            d**-0.5, self.products.variant,
+        )  # fmt: skip
         return out
 
     def _attend_shared(
@@ -446,7 +433,7 @@ class LlamaModel:
             if native is not None:
                 out = native_call(
                     native, q.contiguous(), kv.layers[i], batch.context_blocks,
-                    batch.context_lens, kv.block_size, d**-0.5,
+                    batch.context_lens, kv.block_size, d**-0.5, self.products.variant,
                 )  # fmt: skip
             elif batch.decode is not None:
                 out = self._attend_split(q, kv, i, batch, head_blocks)
@@ -462,8 +449,6 @@ class LlamaModel:
         if not all_logits:
             x = x[batch.last_index]
         x = _rms_norm(x, self.final_norm, cfg.rms_norm_eps)
-        if self.q8_head is not None and x.shape[0] <= Q8_HEAD_MAX_ROWS:
-            return self._heavy(self._q8_matvec, x, self.q8_head)
         return self._heavy(self.lm_head, x).float()
 
     def _add_norm(

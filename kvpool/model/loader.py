@@ -8,6 +8,7 @@ batch 1 and 1.3x at batch 32 than fp32, on AMX); ``float32`` gives exact compari
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -20,8 +21,9 @@ from kvpool.formats.gguf_header import read_gguf_header
 from kvpool.model.config import ModelConfig
 from kvpool.model.cpu import cpu_features
 from kvpool.model.gguf_weights import load_gguf_weights
-from kvpool.model.llama import LlamaModel
-from kvpool.model.native import native_ops
+from kvpool.model.llama import LlamaModel, can_prepack
+from kvpool.model.native import kernel_variant, native_ops
+from kvpool.model.products import BF16_TILES, FLOAT, ProductPolicy, QuantLinear, calibrate
 from kvpool.model.runner import ModelRunner
 from kvpool.model.tokenizer import Tokenizer
 from kvpool.model_store import resolve_model_path
@@ -81,6 +83,8 @@ class LoadedModel:
         ]
         if self.native_seconds >= 2:  # a build, once per install: not part of loading
             lines[-1] += f" (native ops built in {self.native_seconds:.0f} s, once)"
+        if isinstance(self.model.layers[0].o, QuantLinear):
+            lines.append(f"  weights kept quantized: {self.model.products.describe()}")
         if runner is not None:
             m = runner.manager
             lines.append(
@@ -108,46 +112,60 @@ def _release_heap_memory() -> None:
     trim(0)
 
 
+def _choose_crossover(products: ProductPolicy, model: LlamaModel, dtype: torch.dtype) -> None:
+    """Where int8 products hand over to dequantized tiles (bf16 tiles where the CPU has
+    bf16 products in hardware and the model computes in bf16): measured on one of the
+    model's own products at load, unless ``KVPOOL_INT8_MAX_ROWS`` sets it ("all": int8
+    at every size)."""
+    products.tiles = BF16_TILES if dtype == torch.bfloat16 and can_prepack() else FLOAT
+    forced = os.environ.get("KVPOOL_INT8_MAX_ROWS")
+    if forced is not None:
+        products.int8_max_rows = None if forced == "all" else int(forced)
+        return
+    products.int8_max_rows = calibrate(model.layers[0].o, products.tiles)
+
+
 def load_model(
     name: str | None = None,
     *,
     dtype: str | None = None,
     device: str | None = None,
     progress: bool = True,
-    int4: bool = True,
 ) -> LoadedModel:
     """Load a model by name (None: the built-in default), path or Ollama store name.
 
-    ``int4``: on the CPU in bfloat16, also keep Q4_0 / Q4_1 weights in torch's int4
-    layout for small steps (see ``llama.Linear``)."""
+    On the CPU with the native ops built, quantized matrices stay in their GGUF blocks
+    (``QuantLinear``): float products from dequantized tiles when ``dtype`` is
+    ``float32`` (the exact reference), int8 products otherwise."""
     path = resolve_model_path(name)
     dev = choose_device(device)
     torch_dtype = choose_dtype(dtype, dev)
     native_start = time.perf_counter()
-    if dev.type == "cpu":
-        native_ops()  # built once per install (~30 s, with a line saying so), then cached
+    ops = native_ops() if dev.type == "cpu" else None  # built once per install (~60 s)
     start = time.perf_counter()
     native_seconds = start - native_start
     header = read_gguf_header(path)
     tokenizer = Tokenizer.from_gguf(header)
     bar = Progress(f"loading {path.name}", len(header.tensors)) if progress else None
-    int4_weights = {} if int4 and dev.type == "cpu" and torch_dtype == torch.bfloat16 else None
-    rows = {} if dev.type == "cpu" else None
     try:
         config, weights = load_gguf_weights(
             path,
             torch_dtype,
             header=header,
             on_tensor=(lambda i, n: bar.advance()) if bar else None,
-            int4=int4_weights,
-            rows=rows,
+            quantized=ops is not None,
         )
     finally:
         if bar:
             bar.__exit__()
-    model = LlamaModel(config, weights, dev, torch_dtype, int4_weights, rows)
-    del weights, int4_weights, rows
+    products = ProductPolicy(
+        exact=torch_dtype == torch.float32 and dtype is not None, variant=kernel_variant()
+    )
+    model = LlamaModel(config, weights, dev, torch_dtype, products)
+    del weights
     _release_heap_memory()
+    if not products.exact and isinstance(model.layers[0].o, QuantLinear):
+        _choose_crossover(products, model, torch_dtype)
     loaded = LoadedModel(
         path, config, model, tokenizer, time.perf_counter() - start, native_seconds
     )

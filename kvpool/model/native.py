@@ -9,8 +9,14 @@
   embedding of Q and K and the K/V writes into the store) fuse the small ops around a
   layer's matrix products, each several torch kernels with a fixed cost that dominates
   at one decoded token.
-- ``q8_0_matvec`` computes the head of one- and two-row steps from a tied embedding's
-  Q8_0 blocks (half the bytes of a bf16 copy, float32 logits).
+- ``quant_matmul`` multiplies by weights kept in GGUF's quantized blocks (integer
+  products from int8-quantized activations, or float products from weights dequantized
+  tile by tile), ``quant_dequantize`` dequantizes rows.
+
+The kernels are compiled once per instruction set (``isa_*.cpp``: AVX-512 with BF16,
+AVX-512 with VNNI, AVX2, generic C++) into one module, and the fastest this CPU runs is
+chosen at run time (``kernel_variants()`` lists them, fastest first; every op takes a
+``variant`` to force one, for tests and benchmarks).
 
 It needs a C++ compiler; the first build takes about 30 s and is cached (torch's
 extensions directory, one build per sources, flags, CPU and torch install). Where it
@@ -23,24 +29,22 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import platform
 import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-_SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
-# OpenMP from torch's own runtime (libgomp.so.1 is already loaded by torch, so the
-# extension binds to it: one thread pool, the same spin setting).
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
-
-
-def _cpu_signature() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        return ""
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = sorted(_CSRC.glob("*.cpp"))
+_HEADERS = sorted([*_CSRC.glob("*.h"), *_CSRC.glob("*.inc")])
+# No -march: the module is built for the architecture, and the kernels for each
+# instruction set (isa_*.cpp) are chosen at run time by what the CPU has, so one build
+# serves every CPU of the architecture (a home directory shared by two machines, an
+# emulator). OpenMP from torch's own runtime (libgomp.so.1 is already loaded by torch,
+# so the extension binds to it: one thread pool, the same spin setting).
+_FLAGS = ["-O3", "-fno-math-errno", "-fopenmp"]
 
 
 def _build_directory(name: str) -> Path | None:
@@ -60,7 +64,7 @@ def _staged_sources(build_dir: Path | None) -> list[Path]:
     if build_dir is None:
         return _SOURCES
     staged = []
-    for path in _SOURCES:
+    for path in [*_SOURCES, *_HEADERS]:  # headers beside them: the sources include them
         target = build_dir / "src" / path.name
         content = path.read_bytes()
         if not target.exists() or target.read_bytes() != content:
@@ -69,7 +73,7 @@ def _staged_sources(build_dir: Path | None) -> list[Path]:
             partial.write_bytes(content)
             os.replace(partial, target)  # atomic: a concurrent loader sees whole files
         staged.append(target)
-    return staged
+    return staged[: len(_SOURCES)]
 
 
 @functools.cache
@@ -81,10 +85,11 @@ def native_ops() -> ModuleType | None:
         import torch
         from torch.utils.cpp_extension import load
 
-        # One build per sources, flags, CPU and torch install (its headers' path is in
-        # the build file, and another torch needs its own build).
-        key = b"".join(path.read_bytes() for path in _SOURCES)
-        key += " ".join(_FLAGS).encode() + _cpu_signature().encode()
+        # One build per sources, flags, architecture and torch install (its headers'
+        # path is in the build file, and another torch needs its own build); not per
+        # CPU: the kernels are chosen at run time.
+        key = b"".join(path.read_bytes() for path in [*_SOURCES, *_HEADERS])
+        key += " ".join(_FLAGS).encode() + platform.machine().encode()
         key += f"{torch.__version__} {Path(torch.__file__).parent}".encode()
         name = "kvpool_native_" + hashlib.sha256(key).hexdigest()[:12]
         build_dir = _build_directory(name)
@@ -98,6 +103,32 @@ def native_ops() -> ModuleType | None:
     except Exception as exc:  # no compiler, no headers, an unsupported platform
         warnings.warn(f"native ops unavailable, using the torch path: {exc}", stacklevel=2)
         return None
+
+
+# What each kernel variant needs of the CPU (kvpool.model.cpu's feature names).
+VARIANT_NEEDS = {
+    "avx512-bf16": ("avx512", "avx512_vnni", "avx512_bf16"),
+    "avx512-vnni": ("avx512", "avx512_vnni"),
+    "avx2": ("avx2",),
+    "generic": (),
+}
+
+
+@functools.cache
+def kernel_variant() -> str:
+    """The kernel variant the runtime uses: the fastest the module runs on this CPU
+    whose needs the CPU's features meet (``KVPOOL_CPU_FEATURES`` narrows those, so a
+    lesser CPU's choice can be exercised on any machine); "" without native ops."""
+    from kvpool.model.cpu import cpu_features
+
+    ops = native_ops()
+    if ops is None:
+        return ""
+    cpu = cpu_features()
+    for name in ops.kernel_variants():
+        if all(getattr(cpu, need) for need in VARIANT_NEEDS.get(name, ("unknown",))):
+            return name
+    return "generic"
 
 
 def paged_decode_attention() -> Callable | None:

@@ -4,20 +4,29 @@
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_kv,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                  int64_t block_size, double scale);
+                                  int64_t block_size, double scale, const std::string& variant);
 at::Tensor add_rms_norm_(at::Tensor& x, const c10::optional<at::Tensor>& y, const at::Tensor& weight,
                          double eps);
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,
                          at::Tensor& layer_kv, const at::Tensor& slots, int64_t num_heads);
-at::Tensor q8_0_matvec(const at::Tensor& x, const at::Tensor& raw);
+std::vector<std::string> kernel_variants();
+at::Tensor quant_dequantize(const at::Tensor& raw, int64_t qtype, int64_t k, const std::string& isa);
+at::Tensor quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& parts,
+                        const std::vector<int64_t>& types, int64_t mode, const std::string& isa);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV store (one query token per sequence)");
+        "decode attention over a paged KV store (one query token per sequence)", py::arg("q"),
+        py::arg("layer_kv"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("block_size"), py::arg("scale"), py::arg("variant") = "");
   m.def("add_rms_norm_", &add_rms_norm_,
         "x += y in place (y optional), then RMSNorm of x times weight, returned");
   m.def("rope_write_kv", &rope_write_kv,
         "rotary embedding of Q and K, K and V written to the store's slots; returns Q");
-  m.def("q8_0_matvec", &q8_0_matvec,
-        "x [rows <= 8, K] times a Q8_0 matrix [N, K] transposed, float32 [rows, N]");
+  m.def("kernel_variants", &kernel_variants, "the kernel variants this CPU runs, fastest first");
+  m.def("quant_dequantize", &quant_dequantize, "rows of GGUF blocks to float32 [rows, K]",
+        py::arg("raw"), py::arg("qtype"), py::arg("k"), py::arg("variant") = "");
+  m.def("quant_matmul", &quant_matmul,
+        "x [M, K] times the stacked quantized parts transposed: float32 [M, rows]", py::arg("x"),
+        py::arg("parts"), py::arg("types"), py::arg("mode") = 0, py::arg("variant") = "");
 }

@@ -1,0 +1,54 @@
+// The choice of kernel variant by what the CPU has (CPUID, through the compiler's
+// __builtin_cpu_supports): the module is built once per architecture, never for the
+// machine that happened to build it.
+
+#include "isa_select.h"
+
+#include <c10/util/Exception.h>
+
+namespace kvp {
+namespace {
+
+bool has(const char* feature) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  const std::string f = feature;
+  if (f == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("avx512vnni") && has("avx2");
+  if (f == "avx512-vnni") return avx512;
+  if (f == "avx512-bf16") return avx512 && __builtin_cpu_supports("avx512bf16");
+#else
+  (void)feature;
+#endif
+  return false;
+}
+
+}  // namespace
+
+const std::vector<Variant>& cpu_variants() {
+  static const std::vector<Variant> variants = [] {
+    std::vector<Variant> out;
+    const Variant all[] = {
+        {"avx512-bf16", kvp_quant_kernels_avx512_bf16(), kvp_attention_kernels_avx512_bf16()},
+        {"avx512-vnni", kvp_quant_kernels_avx512_vnni(), kvp_attention_kernels_avx512_vnni()},
+        {"avx2", kvp_quant_kernels_avx2(), kvp_attention_kernels_avx2()},
+    };
+    for (const auto& v : all)
+      if (v.quant != nullptr && has(v.name.c_str())) out.push_back(v);
+    out.push_back({"generic", kvp_quant_kernels_generic(), kvp_attention_kernels_generic()});
+    return out;
+  }();
+  return variants;
+}
+
+const Variant& variant(const std::string& name) {
+  const auto& all = cpu_variants();
+  if (name.empty()) return all.front();
+  for (const auto& v : all)
+    if (v.name == name) return v;
+  TORCH_CHECK(false, "kernel variant '", name, "' cannot run on this CPU");
+}
+
+}  // namespace kvp

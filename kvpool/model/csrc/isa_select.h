@@ -1,0 +1,24 @@
+// Which kernel variants (isa_*.cpp) this CPU runs, read at run time from CPUID.
+
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "attention_kernels.h"
+#include "quant_kernels.h"
+
+namespace kvp {
+
+struct Variant {
+  std::string name;
+  const QuantKernels* quant;
+  const AttentionKernels* attention;
+};
+
+// The variants this CPU can run, fastest first (the generic one always last).
+const std::vector<Variant>& cpu_variants();
+// A variant by name ("" for the fastest); raises if this CPU cannot run it.
+const Variant& variant(const std::string& name);
+
+}  // namespace kvp

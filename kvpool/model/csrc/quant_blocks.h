@@ -1,0 +1,241 @@
+// GGUF's quantized blocks (ggml's layouts) and their scalar dequantization: the
+// reference every vectorized kernel is tested against (tests compare these with the gguf
+// package's numpy dequantizers, bit for bit).
+//
+// Only C headers and static inline functions: this header is included by translation
+// units compiled for different instruction sets (quant_isa_*.cpp), and static functions
+// cannot be merged across them by the linker.
+
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+namespace kvp {
+
+// ggml type ids
+enum QType : int {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
+  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
+};
+
+// Elements and bytes of one block.
+static inline int block_elems(int t) {
+  return (t == kQ2_K || t == kQ3_K || t == kQ4_K || t == kQ5_K || t == kQ6_K) ? 256
+         : (t == kF32 || t == kF16 || t == kBF16) ? 1 : 32;
+}
+static inline int block_bytes(int t) {
+  switch (t) {
+    case kF32: return 4;
+    case kF16: case kBF16: return 2;
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
+    case kQ8_0: return 34;
+    case kQ2_K: return 84;
+    case kQ3_K: return 110;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
+    default: return 0;
+  }
+}
+static inline bool known_type(int t) { return block_bytes(t) > 0; }
+
+static inline float fp16_to_f32(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalize
+      exp = 127 - 15 + 1;
+      while (!(mant & 0x400)) { mant <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+static inline float read_fp16(const uint8_t* p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return fp16_to_f32(h);
+}
+static inline float bf16_to_f32(uint16_t h) {
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+// The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K block.
+static inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// The 16 signed 6-bit scales of a Q3_K block.
+static inline void q3_k_scales(const uint8_t* s, int8_t* out) {
+  for (int i = 0; i < 16; ++i) {
+    const int low = (i < 8 ? s[i] : s[i - 8] >> 4) & 0xF;
+    const int high = (s[8 + (i % 4)] >> (2 * (i / 4))) & 3;
+    out[i] = (int8_t)((low | (high << 4)) - 32);
+  }
+}
+
+// y[0 .. block_elems) = the values of one block.
+static inline void dequantize_block(int t, const uint8_t* b, float* y) {
+  switch (t) {
+    case kF32: memcpy(y, b, 4); return;
+    case kF16: y[0] = read_fp16(b); return;
+    case kBF16: { uint16_t h; memcpy(&h, b, 2); y[0] = bf16_to_f32(h); return; }
+    case kQ4_0: {
+      const float d = read_fp16(b);
+      for (int i = 0; i < 16; ++i) {
+        y[i] = ((b[2 + i] & 0xF) - 8) * d;
+        y[i + 16] = ((b[2 + i] >> 4) - 8) * d;
+      }
+      return;
+    }
+    case kQ4_1: {
+      const float d = read_fp16(b), m = read_fp16(b + 2);
+      for (int i = 0; i < 16; ++i) {
+        y[i] = (b[4 + i] & 0xF) * d + m;
+        y[i + 16] = (b[4 + i] >> 4) * d + m;
+      }
+      return;
+    }
+    case kQ5_0: {
+      const float d = read_fp16(b);
+      uint32_t qh;
+      memcpy(&qh, b + 2, 4);
+      for (int i = 0; i < 16; ++i) {
+        const int h0 = ((qh >> i) & 1) << 4, h1 = ((qh >> (i + 16)) & 1) << 4;
+        y[i] = (((b[6 + i] & 0xF) | h0) - 16) * d;
+        y[i + 16] = (((b[6 + i] >> 4) | h1) - 16) * d;
+      }
+      return;
+    }
+    case kQ5_1: {
+      const float d = read_fp16(b), m = read_fp16(b + 2);
+      uint32_t qh;
+      memcpy(&qh, b + 4, 4);
+      for (int i = 0; i < 16; ++i) {
+        const int h0 = ((qh >> i) & 1) << 4, h1 = ((qh >> (i + 16)) & 1) << 4;
+        y[i] = ((b[8 + i] & 0xF) | h0) * d + m;
+        y[i + 16] = ((b[8 + i] >> 4) | h1) * d + m;
+      }
+      return;
+    }
+    case kQ8_0: {
+      const float d = read_fp16(b);
+      for (int i = 0; i < 32; ++i) y[i] = (int8_t)b[2 + i] * d;
+      return;
+    }
+    case kQ2_K: {  // scales[16], qs[64], d, dmin
+      const uint8_t* sc = b;
+      const uint8_t* q = b + 16;
+      const float d = read_fp16(b + 80), dmin = read_fp16(b + 82);
+      int is = 0;
+      for (int n = 0; n < 256; n += 128, q += 32) {
+        for (int shift = 0; shift < 8; shift += 2) {
+          for (int half = 0; half < 2; ++half, ++is) {
+            const float dl = d * (sc[is] & 0xF), ml = dmin * (sc[is] >> 4);
+            for (int l = 0; l < 16; ++l) *y++ = dl * ((q[half * 16 + l] >> shift) & 3) - ml;
+          }
+        }
+      }
+      return;
+    }
+    case kQ3_K: {  // hmask[32], qs[64], scales[12], d
+      const uint8_t* hm = b;
+      const uint8_t* q = b + 32;
+      int8_t sc[16];
+      q3_k_scales(b + 96, sc);
+      const float d = read_fp16(b + 108);
+      int is = 0;
+      uint8_t m = 1;
+      for (int n = 0; n < 256; n += 128, q += 32) {
+        for (int shift = 0; shift < 8; shift += 2, m <<= 1) {
+          for (int half = 0; half < 2; ++half, ++is) {
+            const float dl = d * sc[is];
+            for (int l = 0; l < 16; ++l) {
+              const int k = half * 16 + l;
+              *y++ = dl * ((int)((q[k] >> shift) & 3) - ((hm[k] & m) ? 0 : 4));
+            }
+          }
+        }
+      }
+      return;
+    }
+    case kQ4_K: {  // d, dmin, scales[12], qs[128]
+      const float d = read_fp16(b), dmin = read_fp16(b + 2);
+      const uint8_t* scales = b + 4;
+      const uint8_t* q = b + 16;
+      for (int j = 0; j < 4; ++j, q += 32) {
+        uint8_t s0, m0, s1, m1;
+        scale_min_k4(2 * j, scales, &s0, &m0);
+        scale_min_k4(2 * j + 1, scales, &s1, &m1);
+        for (int l = 0; l < 32; ++l) *y++ = d * s0 * (q[l] & 0xF) - dmin * m0;
+        for (int l = 0; l < 32; ++l) *y++ = d * s1 * (q[l] >> 4) - dmin * m1;
+      }
+      return;
+    }
+    case kQ5_K: {  // d, dmin, scales[12], qh[32], qs[128]
+      const float d = read_fp16(b), dmin = read_fp16(b + 2);
+      const uint8_t* scales = b + 4;
+      const uint8_t* qh = b + 16;
+      const uint8_t* q = b + 48;
+      for (int j = 0; j < 4; ++j, q += 32) {
+        uint8_t s0, m0, s1, m1;
+        scale_min_k4(2 * j, scales, &s0, &m0);
+        scale_min_k4(2 * j + 1, scales, &s1, &m1);
+        const uint8_t u1 = 1 << (2 * j), u2 = 2 << (2 * j);
+        for (int l = 0; l < 32; ++l) *y++ = d * s0 * ((q[l] & 0xF) + (qh[l] & u1 ? 16 : 0)) - dmin * m0;
+        for (int l = 0; l < 32; ++l) *y++ = d * s1 * ((q[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - dmin * m1;
+      }
+      return;
+    }
+    case kQ6_K: {  // ql[128], qh[64], scales[16], d
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* sc = (const int8_t*)(b + 192);
+      const float d = read_fp16(b + 208);
+      for (int n = 0; n < 256; n += 128, ql += 64, qh += 32, sc += 8, y += 128) {
+        for (int l = 0; l < 32; ++l) {
+          const int is = l / 16;
+          const int q1 = (int)((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32;
+          const int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+          const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+          const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+          y[l] = d * sc[is] * q1;
+          y[l + 32] = d * sc[is + 2] * q2;
+          y[l + 64] = d * sc[is + 4] * q3;
+          y[l + 96] = d * sc[is + 6] * q4;
+        }
+      }
+      return;
+    }
+    default: return;
+  }
+}
+
+// One row of k elements (whole blocks) to floats.
+static inline void dequantize_row_scalar(int t, const uint8_t* row, int64_t k, float* y) {
+  const int be = block_elems(t), bb = block_bytes(t);
+  for (int64_t i = 0; i < k / be; ++i) dequantize_block(t, row + i * bb, y + i * be);
+}
+
+}  // namespace kvp

@@ -1,0 +1,128 @@
+"""Matrix products with weights kept in their GGUF blocks (``QuantLinear``), and the
+policy that picks the kernels for a step (``ProductPolicy``).
+
+Two kinds of product (``native.quant_matmul``):
+
+- ``int8``: activations quantized to int8 per block of 32, integer dot products with the
+  unpacked weight blocks, llama.cpp's method. Every output element is one row's dot
+  product in a fixed order, so a row's result does not depend on the rest of the batch.
+- ``float``: weights dequantized tile by tile (per thread, never a whole matrix) and
+  multiplied with float32 activations: what dequantizing the file gives, up to the
+  order of the sums. The reference; exact comparisons (tests at float32) use it.
+
+Where ``int8`` stops being the faster one is a property of the CPU (a float GEMM on
+dequantized tiles wins for large steps where the CPU has wide float units and the
+integer kernels' unpacking costs more than the tile's dequantization), so the policy's
+``int8_max_rows`` is measured at load (``calibrate``), or set.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.model.gguf_weights import QuantizedMatrix
+from kvpool.model.native import native_ops
+
+INT8, FLOAT, BF16_TILES = 0, 1, 2  # quant_matmul's modes
+
+
+@dataclass
+class ProductPolicy:
+    """Which product a step of ``rows`` rows takes. ``exact``: float products always
+    (the float32 reference). Otherwise ``int8`` up to ``int8_max_rows`` rows (None: at
+    every size, which also makes every product batch-invariant), and ``tiles`` above:
+    ``FLOAT``, or ``BF16_TILES`` where the CPU has bf16 products in hardware."""
+
+    exact: bool = False
+    int8_max_rows: int | None = None
+    tiles: int = FLOAT
+    variant: str = ""  # the kernels' instruction set ("": the fastest this CPU runs)
+
+    def mode(self, rows: int) -> int:
+        if self.exact:
+            return FLOAT
+        if self.int8_max_rows is None or rows <= self.int8_max_rows:
+            return INT8
+        return self.tiles
+
+    def describe(self) -> str:
+        ops = native_ops()
+        variant = self.variant or (ops.kernel_variants()[0] if ops is not None else "none")
+        if self.exact:
+            return f"float products from dequantized tiles ({variant} kernels)"
+        if self.int8_max_rows is None:
+            return f"int8 products at every step size ({variant} kernels)"
+        tiles = "bf16" if self.tiles == BF16_TILES else "float32"
+        return (
+            f"int8 products up to {self.int8_max_rows} rows, {tiles} tiles above "
+            f"({variant} kernels)"
+        )
+
+
+class QuantLinear:
+    """``y = x W^T (+ b)`` for W the rows of one or more quantized parts (a fused QKV
+    whose parts may differ in format), kept in their blocks. Output in x's dtype, or in
+    float32 with ``float_out`` (an output head: logits are not rounded to bf16)."""
+
+    __slots__ = ("bias", "cols", "float_out", "numel_", "policy", "raws", "types")
+
+    def __init__(
+        self,
+        parts: list[QuantizedMatrix],
+        bias: torch.Tensor | None,
+        policy: ProductPolicy,
+        *,
+        float_out: bool = False,
+    ) -> None:
+        cols = {p.cols for p in parts}
+        if len(cols) != 1:
+            raise ValueError(f"parts of one product need one width, got {sorted(cols)}")
+        self.cols = parts[0].cols
+        self.float_out = float_out
+        self.raws = [p.raw for p in parts]
+        self.types = [p.qtype for p in parts]
+        self.bias = bias
+        self.policy = policy
+        self.numel_ = sum(p.numel() for p in parts) + (bias.numel() if bias is not None else 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ops = native_ops()
+        policy = self.policy
+        y = ops.quant_matmul(x, self.raws, self.types, policy.mode(x.shape[0]), policy.variant)
+        if x.dtype != torch.float32 and not self.float_out:
+            y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def numel(self) -> int:
+        return self.numel_
+
+    @property
+    def nbytes(self) -> int:
+        return sum(raw.numel() for raw in self.raws)
+
+
+def calibrate(
+    linear: QuantLinear, tiles: int, sizes: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
+) -> int | None:
+    """The largest step size at which ``int8`` products are still faster than ``tiles``
+    for this product on this CPU: 0 if tiles win from the smallest size measured, None
+    if int8 wins at every size measured. Each size: the faster of three runs per mode
+    (alternating); it stops at the first size tiles win (a few hundred milliseconds
+    for a 1B-class layer)."""
+    ops = native_ops()
+    best: int | None = 0
+    for rows in sizes:
+        x = torch.randn(rows, linear.cols)
+        elapsed = {INT8: float("inf"), tiles: float("inf")}
+        for _ in range(3):
+            for mode in elapsed:
+                start = time.perf_counter()
+                ops.quant_matmul(x, linear.raws, linear.types, mode, linear.policy.variant)
+                elapsed[mode] = min(elapsed[mode], time.perf_counter() - start)
+        if elapsed[INT8] > elapsed[tiles]:
+            return best
+        best = rows
+    return None
