@@ -45,7 +45,18 @@ def _bench(args: argparse.Namespace) -> int:
     if args.what == "model":
         from kvpool.bench import model
 
-        print(model.run(args.dtype, args.rounds))
+        print(model.run(args.dtype, args.rounds, args.model, args.against, args.llama_cpp))
+        return 0
+    if args.what == "synth-model":
+        from pathlib import Path
+
+        from kvpool.bench import synth_model
+
+        if args.preset not in synth_model.PRESETS:
+            print(f"kvpool: unknown preset; choose from {', '.join(synth_model.PRESETS)}")
+            return 2
+        out = Path(args.out) / f"{args.preset}-{args.mix}.gguf"
+        print(synth_model.write(args.preset, args.mix, out))
         return 0
     raise AssertionError(args.what)
 
@@ -67,7 +78,9 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"kvpool: {exc}", file=sys.stderr)
         return 2
     pool = llm.engine.manager
-    if not args.quiet:
+    if args.quiet:  # the compute choice is said even then: one line
+        print(f"kvpool: {llm.loaded.compute_line()}", file=sys.stderr)
+    else:
         print(
             f"  KV pool: {pool.num_blocks} blocks of {pool.block_size} tokens = "
             f"{pool.num_blocks * pool.block_size:,} token slots",
@@ -106,13 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark and print its table")
     bench.add_argument(
         "what",
-        choices=["cache", "model", "engine", "serve"],
-        help="cache: the block manager's own cost; model: the runtime beside transformers; "
-        "engine: workloads with prefix caching on/off and the static policy; serve: the "
-        "workloads over HTTP against kvpool and/or other servers",
+        choices=["cache", "model", "engine", "serve", "synth-model"],
+        help="cache: the block manager's own cost; model: the runtime beside transformers "
+        "and llama.cpp; engine: workloads with prefix caching on/off and the static policy; "
+        "serve: the workloads over HTTP against kvpool and/or other servers; synth-model: "
+        "write a random-weight GGUF file with a real model's geometry and quant mix",
     )
     bench.add_argument("--requests", type=int, default=64, help="engine: requests per workload")
-    bench.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    bench.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16"], help="default: measured"
+    )
     bench.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64, 256], metavar="N")
     bench.add_argument(
         "--url", action="append", default=[], metavar="[NAME=]URL",
@@ -132,7 +148,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--rounds", type=int, default=3, help="model: alternating rounds of both sides"
     )
-    bench.add_argument("--model", default=None, help="serve: model name (default: the first)")
+    bench.add_argument(
+        "--model", default=None,
+        help="model: a GGUF file or name (default: the built-in model); serve: model name",
+    )  # fmt: skip
+    bench.add_argument(
+        "--against", nargs="+", default=None, choices=["transformers", "llama.cpp"],
+        help="model: the other sides (default: llama.cpp where found, and transformers for "
+        "files under 1 GiB)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--llama-cpp", default=None, metavar="DIR",
+        help="model: llama.cpp's bin directory (llama-bench, llama-server); default: "
+        "$KVPOOL_LLAMA_CPP or the PATH",
+    )  # fmt: skip
+    bench.add_argument("--preset", default="llama-3.2-1b", help="synth-model: the geometry")
+    bench.add_argument("--mix", default="Q4_0", help="synth-model: Q4_0, Q8_0 or Q4_K_M")
+    bench.add_argument("--out", default="models", help="synth-model: the directory to write to")
     bench.add_argument("--api-key", default=None)
     bench.add_argument("--plot", default=None, metavar="PNG", help="engine: occupancy plot")
     bench.set_defaults(func=_bench)

@@ -37,8 +37,10 @@ def _choices(env_features: str | None) -> dict:
         "from kvpool.model.loader import choose_device, choose_dtype, load_model\n"
         "from kvpool.model.native import kernel_variant\n"
         "from kvpool.model.products import QuantLinear\n"
-        "m = load_model(None, progress=False).model\n"
+        "loaded = load_model(None, progress=False)\n"
+        "m = loaded.model\n"
         "print(json.dumps({'features': cpu_features().__dict__, 'dtype': str(m.dtype),\n"
+        "  'seconds': loaded.dtype_seconds, 'line': loaded.compute_line(),\n"
         "  'variant': kernel_variant(), 'quantized': isinstance(m.layers[0].qkv, QuantLinear),\n"
         "  'policy_variant': m.products.variant, 'exact': m.products.exact}))\n"
     )
@@ -70,12 +72,19 @@ def test_choices_follow_the_cpu(narrowed):
         kept = set(narrowed.split(","))
         assert not any(getattr(cpu, n) for n in ("avx512", "avx512_bf16", "amx") if n not in kept)
         assert not cpu.bf16_products
-    assert got["dtype"] == ("torch.bfloat16" if cpu.bf16_products else "torch.float32")
     if native_ops() is None:
+        assert got["dtype"] == ("torch.bfloat16" if cpu.bf16_products else "torch.float32")
         assert not got["quantized"] and got["variant"] == ""
         return
     assert got["quantized"] and not got["exact"]  # the default: weights in their blocks
     assert got["variant"] == got["policy_variant"] == _best_variant(cpu)
+    # dtype=None: measured, bf16 unless float32 decodes clearly faster (bf16 halves the KV)
+    from kvpool.model.loader import BF16_MARGIN
+
+    seconds = got["seconds"]
+    fp32_faster = seconds["float32"] < seconds["bfloat16"] / BF16_MARGIN
+    assert got["dtype"] == ("torch.float32" if fp32_faster else "torch.bfloat16")
+    assert "measured" in got["line"] and got["variant"] in got["line"]
 
 
 def test_the_module_runs_what_the_cpu_has():

@@ -1,6 +1,9 @@
-"""``kvpool bench model``: the runtime beside transformers' ``generate()``, same model, same
-machine, same device (CUDA when torch has it), same dtype, each side in its own process
-(so peak memory is its own; on a GPU it is still the process's host memory).
+"""``kvpool bench model``: the runtime beside llama.cpp (``kvpool.bench.llama_cpp``: its
+own tools on the same GGUF file) and transformers' ``generate()`` (same model, device
+and dtype), each side in its own process (so peak memory is its own; on a GPU it is
+still the process's host memory). Any GGUF file (``--model``), e.g. the synthetic
+models of ``kvpool bench synth-model``; transformers is left out for files over 1 GiB
+(it dequantizes every weight to float).
 
 Figures: load time; prefill tokens/s for a 512-token prompt; decode tokens/s at batch 1, 8
 and 32 (100-token prompts, the time of the N decode steps after the first token, so
@@ -39,8 +42,8 @@ REPEATS = 3
 WARMUP_PREFILLS = 3
 
 
-def _prompts(batch: int, length: int) -> list[list[int]]:
-    return [[(31 * b + 7 * i) % 40000 + 3 for i in range(length)] for b in range(batch)]
+def _prompts(batch: int, length: int, vocab: int = 40003) -> list[list[int]]:
+    return [[(31 * b + 7 * i) % (vocab - 3) + 3 for i in range(length)] for b in range(batch)]
 
 
 def _rates(run) -> dict[str, float]:
@@ -63,7 +66,13 @@ def _rates(run) -> dict[str, float]:
     return out
 
 
-def _ours(dtype: str) -> dict[str, float]:
+def kv_tokens() -> int:
+    """KV slots both kvpool and llama.cpp get: the largest batch's prompts and outputs,
+    with room to spare (llama.cpp splits its context evenly between its slots)."""
+    return max(BATCHES) * 128
+
+
+def _ours(dtype: str | None, model: str | None) -> dict[str, float]:
     import torch
 
     from kvpool.engine.scheduler import MAX_BATCH_TOKENS
@@ -71,18 +80,21 @@ def _ours(dtype: str) -> dict[str, float]:
     from kvpool.model.runner import SeqChunk
 
     t0 = time.perf_counter()
-    loaded = load_model(None, dtype=dtype, progress=False)
+    loaded = load_model(model, dtype=dtype, progress=False)
     result = {"load_s": time.perf_counter() - t0}
-    runner = loaded.make_runner(128 * 2**20, 16, enable_prefix_caching=False)
+    print(f"bench model: kvpool {loaded.compute_line()}", file=sys.stderr, flush=True)
+    budget = kv_tokens() * loaded.kv_bytes_per_token
+    runner = loaded.make_runner(budget, 16, enable_prefix_caching=False)
     manager = runner.manager
     cuda = loaded.model.device.type == "cuda"
+    vocab = loaded.model.vocab_rows
 
     def sync() -> None:  # a GPU runs the step's kernels after forward() returns
         if cuda:
             torch.cuda.synchronize()
 
     def run(batch: int, length: int, new_tokens: int) -> tuple[float, float]:
-        prompts = _prompts(batch, length)
+        prompts = _prompts(batch, length, min(vocab, 40003))
         start = time.perf_counter()
         for b, p in enumerate(prompts):
             manager.allocate(b, p)
@@ -111,14 +123,15 @@ def _ours(dtype: str) -> dict[str, float]:
     return result
 
 
-def _transformers(dtype: str) -> dict[str, float]:
+def _transformers(dtype: str | None, model: str | None) -> dict[str, float]:
     import torch
     import transformers
 
-    from kvpool.model.loader import choose_device
-    from kvpool.model_store import default_model_path
+    from kvpool.model.loader import choose_device, choose_dtype
+    from kvpool.model_store import resolve_model_path
 
-    path = default_model_path()
+    path = resolve_model_path(model)
+    dtype = str(choose_dtype(dtype, choose_device())).removeprefix("torch.")
     device = choose_device()  # the device kvpool's side chooses
     t0 = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -148,9 +161,9 @@ def _transformers(dtype: str) -> dict[str, float]:
     return result
 
 
-def _measure_side(side: str, dtype: str) -> None:
+def _measure_side(side: str, dtype: str | None, model: str | None) -> None:
     """Child process: measure one side and print its figures as JSON."""
-    figures = _ours(dtype) if side == "kvpool" else _transformers(dtype)
+    figures = _ours(dtype, model) if side == "kvpool" else _transformers(dtype, model)
     figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps(figures))
 
@@ -162,36 +175,84 @@ def _side_env(side: str) -> dict[str, str]:
     return env
 
 
-def run(dtype: str = "bfloat16", rounds: int = 3) -> str:
-    runs: dict[str, list[dict[str, float]]] = {"kvpool": [], "transformers": []}
+def _llama_cpp_side(bin_dir, model: str | None) -> dict[str, float]:
+    from kvpool.bench import llama_cpp
+    from kvpool.formats.gguf_header import read_gguf_header
+    from kvpool.model.config import ModelConfig
+    from kvpool.model_store import resolve_model_path
+
+    path = resolve_model_path(model)
+    config = ModelConfig.from_gguf(read_gguf_header(path))
+    threads = os.cpu_count() or 1
+    figures = llama_cpp.bench(bin_dir, path, threads, PREFILL, DECODE_STEPS)
+    prompts = {b: _prompts(b, PROMPT, min(config.vocab_size, 40003)) for b in BATCHES}
+    served = llama_cpp.serve(
+        bin_dir, path, threads, BATCHES[1:], prompts, DECODE_STEPS, kv_tokens()
+    )
+    figures.update(served)
+    figures["load_s"] = float("nan")
+    return figures
+
+
+def run(
+    dtype: str | None = None,
+    rounds: int = 3,
+    model: str | None = None,
+    against: list[str] | None = None,
+    llama_cpp_dir: str | None = None,
+) -> str:
+    from kvpool.bench import llama_cpp
+    from kvpool.model.cpu import cpu_features
+    from kvpool.model_store import resolve_model_path
+
+    path = resolve_model_path(model)
+    bin_dir = llama_cpp.find(llama_cpp_dir)
+    if against is None:
+        against = (["llama.cpp"] if bin_dir else []) + (
+            ["transformers"] if path.stat().st_size < 2**30 else []
+        )
+    if "llama.cpp" in against and bin_dir is None:
+        raise SystemExit("kvpool: llama.cpp not found (--llama-cpp DIR or $KVPOOL_LLAMA_CPP)")
+    sides = ["kvpool", *against]
+    runs: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
     for r in range(rounds):
-        for side in runs:
+        for side in sides:
             print(
-                f"bench model: round {r + 1}/{rounds}, measuring {side} ({dtype})...",
+                f"bench model: round {r + 1}/{rounds}, measuring {side}...",
                 file=sys.stderr, flush=True,
             )  # fmt: skip
+            if side == "llama.cpp":
+                runs[side].append(_llama_cpp_side(bin_dir, model))
+                continue
             out = subprocess.run(
-                [sys.executable, "-m", "kvpool.bench.model", side, dtype],
+                [sys.executable, "-m", "kvpool.bench.model", side, dtype or "auto",
+                 model or ""],
                 capture_output=True, text=True, check=True, env=_side_env(side),
             )  # fmt: skip
             runs[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    ours, ref = (
-        {key: statistics.median(run[key] for run in runs[side]) for key in runs[side][0]}
-        for side in ("kvpool", "transformers")
-    )
+    medians = {
+        side: {key: statistics.median(r[key] for r in results) for key in results[0]}
+        for side, results in runs.items()
+    }
+    cpu = cpu_features()
     lines = [
-        f"default model, {dtype}, {os.cpu_count()} CPUs, torch threads default; "
-        f"decode over {DECODE_STEPS} steps after {PROMPT}-token prompts; medians of "
-        f"{REPEATS} in each of {rounds} alternating rounds",
-        f"{'':<24}{'kvpool':>12}{'transformers':>14}{'ratio':>9}",
+        f"{path.name} ({path.stat().st_size / 2**20:.0f} MiB), kvpool dtype {dtype or 'auto'}, "
+        f"{os.cpu_count()} CPUs: {cpu.summary()}",
+        f"decode over {DECODE_STEPS} steps after {PROMPT}-token prompts; KV for "
+        f"{kv_tokens()} tokens on every side; medians of {rounds} alternating rounds",
+        f"{'':<24}{'kvpool':>10}" + "".join(f"{s:>14}{'ratio':>8}" for s in against),
     ]
     labels = [("load_s", "load (s)", False), ("prefill_tok_s", f"prefill {PREFILL} tok/s", True)]
     labels += [(f"decode_b{b}_tok_s", f"decode batch {b} tok/s", True) for b in BATCHES]
     labels += [("peak_rss_mib", "peak memory (MiB)", False)]
     for key, label, higher_better in labels:
-        a, b = ours[key], ref[key]
-        ratio = a / b if higher_better else b / a
-        lines.append(f"{label:<24}{a:>12.1f}{b:>14.1f}{ratio:>8.2f}x")
+        a = medians["kvpool"].get(key, float("nan"))
+        row = f"{label:<24}{a:>10.1f}"
+        for side in against:
+            b = medians[side].get(key, float("nan"))
+            ratio = a / b if higher_better else b / a
+            row += f"{b:>14.1f}{ratio:>7.2f}x"
+        lines.append(row)
     lines.append(
         "ratio: how many times better kvpool is (speed: ours/theirs; time, memory: theirs/ours)"
     )
@@ -199,4 +260,4 @@ def run(dtype: str = "bfloat16", rounds: int = 3) -> str:
 
 
 if __name__ == "__main__":
-    _measure_side(sys.argv[1], sys.argv[2])
+    _measure_side(sys.argv[1], None if sys.argv[2] == "auto" else sys.argv[2], sys.argv[3] or None)

@@ -1,7 +1,7 @@
 """Tensors of a GGUF file as the runtime holds them.
 
-The header is parsed once (``kvpool.formats.gguf_header``); tensor data is read through a
-memory map. With ``quantized=True`` (the CPU runtime with its native kernels) every
+The header is parsed once (``kvpool.formats.gguf_header``); tensor data is read from the
+file, tensor by tensor. With ``quantized=True`` (the CPU runtime with its native kernels) every
 quantized matrix stays in its GGUF blocks (``QuantizedMatrix``: the file's bytes, the
 one copy the model keeps, multiplied by ``native.quant_matmul``); otherwise, and for
 unquantized and 1-D tensors, tensors are dequantized with the ``gguf`` package's numpy
@@ -130,28 +130,29 @@ def load_gguf_weights(
     with ``quantized``, each quantized matrix as a ``QuantizedMatrix`` of its blocks."""
     header = header or read_gguf_header(path)
     config = ModelConfig.from_gguf(header)
-    data = np.memmap(header.path, dtype=np.uint8, mode="r", offset=header.data_offset)
     weights: dict[str, torch.Tensor | QuantizedMatrix] = {}
-    for i, info in enumerate(header.tensors):
-        raw = np.asarray(data[info.offset : info.offset + info.num_bytes])
-        heads = _rotary_heads(config, info.name)
-        if quantized and info.ggml_type in KEPT_QUANTIZED and len(info.shape) == 2:
-            rows = raw.reshape(info.shape[1], -1)
-            if heads:
-                rows = rows[_rotary_row_order(rows.shape[0], heads).numpy()]
-            matrix = torch.from_numpy(np.array(rows))  # a copy: the file is closed after
-            weights[info.name] = QuantizedMatrix(matrix, info.ggml_type, info.shape[0])
-        else:
-            array = _dequantize(raw, info)
-            if not array.flags.writeable:  # a view of the read-only map
-                array = array.copy()
-            tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(dtype)
-            if heads:
-                tensor = _unpermute_rotary(tensor, heads)
-            weights[info.name] = tensor
-        if on_tensor:
-            on_tensor(i + 1, len(header.tensors))
-    del data
+    # Read, not mapped: a mapped file's pages count in the process's resident memory as
+    # they are touched, which put the peak at twice the file while the blocks are copied.
+    with open(header.path, "rb", buffering=0) as file:
+        for i, info in enumerate(header.tensors):
+            raw = np.empty(info.num_bytes, dtype=np.uint8)
+            file.seek(header.data_offset + info.offset)
+            if file.readinto(memoryview(raw)) != info.num_bytes:
+                raise UnsupportedModel(f"tensor {info.name}: the file ends inside its data")
+            heads = _rotary_heads(config, info.name)
+            if quantized and info.ggml_type in KEPT_QUANTIZED and len(info.shape) == 2:
+                rows = torch.from_numpy(raw).view(info.shape[1], -1)
+                if heads:
+                    rows = rows[_rotary_row_order(rows.shape[0], heads)]
+                weights[info.name] = QuantizedMatrix(rows, info.ggml_type, info.shape[0])
+            else:
+                array = _dequantize(raw, info)
+                tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(dtype)
+                if heads:
+                    tensor = _unpermute_rotary(tensor, heads)
+                weights[info.name] = tensor
+            if on_tensor:
+                on_tensor(i + 1, len(header.tensors))
     return config, weights
 
 

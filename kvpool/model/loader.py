@@ -29,6 +29,9 @@ from kvpool.model.tokenizer import Tokenizer
 from kvpool.model_store import resolve_model_path
 from kvpool.progress import Progress
 
+# dtype=None keeps bfloat16 (half the KV bytes per token) unless float32 decodes faster
+# by more than this factor.
+BF16_MARGIN = 1.1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -60,6 +63,8 @@ class LoadedModel:
     tokenizer: Tokenizer
     load_seconds: float
     native_seconds: float = 0.0  # readying the native ops: a build on an install's first start
+    dtype_choice: str = ""  # the compute dtype and why it was chosen (one line)
+    dtype_seconds: dict[str, float] | None = None  # measured decode step per dtype
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -70,6 +75,13 @@ class LoadedModel:
         blocks = geometry.blocks_for_budget(kv_cache_memory, block_size)
         manager = KVCacheManager(blocks, block_size, geometry=geometry, **manager_kw)
         return ModelRunner(self.model, manager)
+
+    def compute_line(self) -> str:
+        """One line: the compute dtype chosen and why, and how products are computed."""
+        line = f"compute dtype {self.dtype_choice or self.model.dtype}"
+        if isinstance(self.model.layers[0].o, QuantLinear):
+            line += f"; weights kept quantized, {self.model.products.describe()}"
+        return line
 
     def describe(self, runner: ModelRunner | None = None) -> str:
         cfg = self.config
@@ -83,8 +95,7 @@ class LoadedModel:
         ]
         if self.native_seconds >= 2:  # a build, once per install: not part of loading
             lines[-1] += f" (native ops built in {self.native_seconds:.0f} s, once)"
-        if isinstance(self.model.layers[0].o, QuantLinear):
-            lines.append(f"  weights kept quantized: {self.model.products.describe()}")
+        lines.append(f"  {self.compute_line()}")
         if runner is not None:
             m = runner.manager
             lines.append(
@@ -110,6 +121,25 @@ def _release_heap_memory() -> None:
     except (AttributeError, OSError):
         return
     trim(0)
+
+
+def _probe_decode_seconds(model: LlamaModel, context: int = 16) -> float:
+    """The median of a few batch-1 decode steps of ``model`` (after a short prefill):
+    what compute dtype to serve in is decided by it."""
+    from kvpool.model.runner import ModelRunner, SeqChunk
+
+    manager = KVCacheManager(-(-(context + 8) // 16), 16)
+    runner = ModelRunner(model, manager, threads=None)
+    prompt = [(7 * i + 3) % model.vocab_rows for i in range(context)]
+    manager.allocate(0, prompt)
+    runner.forward([SeqChunk(0, prompt, 0)])
+    times = []
+    for step in range(5):
+        manager.append(0, [prompt[step]])
+        begin = time.perf_counter()
+        runner.forward([SeqChunk(0, [prompt[step]], context + step)])
+        times.append(time.perf_counter() - begin)
+    return sorted(times[1:])[1]
 
 
 def _choose_crossover(products: ProductPolicy, model: LlamaModel, dtype: torch.dtype) -> None:
@@ -148,9 +178,10 @@ def load_model(
     tokenizer = Tokenizer.from_gguf(header)
     bar = Progress(f"loading {path.name}", len(header.tensors)) if progress else None
     try:
+        measure = dtype is None and ops is not None  # the compute dtype, by measurement
         config, weights = load_gguf_weights(
             path,
-            torch_dtype,
+            torch.float32 if measure else torch_dtype,
             header=header,
             on_tensor=(lambda i, n: bar.advance()) if bar else None,
             quantized=ops is not None,
@@ -158,17 +189,43 @@ def load_model(
     finally:
         if bar:
             bar.__exit__()
-    products = ProductPolicy(
-        exact=torch_dtype == torch.float32 and dtype is not None, variant=kernel_variant()
-    )
-    model = LlamaModel(config, weights, dev, torch_dtype, products)
-    del weights
+    why = "asked for" if dtype is not None else "the device's default"
+    choice = f"{torch_dtype} ({why})"
+    if measure:
+        # Measured: the same blocks under each compute dtype (the dense 1-D tensors are
+        # converted per model; the quantized matrices are shared, never copied).
+        candidates = {}
+        for candidate in (torch.bfloat16, torch.float32):
+            policy = ProductPolicy(variant=kernel_variant())
+            candidates[candidate] = LlamaModel(config, dict(weights), dev, candidate, policy)
+        times = {c: float("inf") for c in candidates}
+        for _ in range(2):  # alternating: the first runs warm the caches and threads
+            for candidate, probe in candidates.items():
+                times[candidate] = min(times[candidate], _probe_decode_seconds(probe))
+        # bf16 unless float32 is clearly faster: bf16 also halves the KV per token
+        fast = times[torch.float32] < times[torch.bfloat16] / BF16_MARGIN
+        torch_dtype = torch.float32 if fast else torch.bfloat16
+        model = candidates.pop(torch_dtype)
+        ((other, other_model),) = candidates.items()
+        del other_model, candidates
+        choice = (
+            f"{torch_dtype}: measured {times[torch_dtype] * 1e3:.1f} ms a batch-1 decode "
+            f"step vs {times[other] * 1e3:.1f} ms in {other} ({cpu_features().summary()})"
+        )
+    else:
+        products = ProductPolicy(
+            exact=torch_dtype == torch.float32 and dtype is not None, variant=kernel_variant()
+        )
+        model = LlamaModel(config, weights, dev, torch_dtype, products)
+    weights.clear()
     _release_heap_memory()
-    if not products.exact and isinstance(model.layers[0].o, QuantLinear):
-        _choose_crossover(products, model, torch_dtype)
+    if not model.products.exact and isinstance(model.layers[0].o, QuantLinear):
+        _choose_crossover(model.products, model, torch_dtype)
     loaded = LoadedModel(
-        path, config, model, tokenizer, time.perf_counter() - start, native_seconds
+        path, config, model, tokenizer, time.perf_counter() - start, native_seconds, choice
     )
+    if measure:
+        loaded.dtype_seconds = {str(c).removeprefix("torch."): t for c, t in times.items()}
     if progress:
         print(loaded.describe(), file=sys.stderr)
     return loaded

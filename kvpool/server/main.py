@@ -87,6 +87,8 @@ def serve(args: argparse.Namespace) -> int:
     except (ModelNotFound, ValueError, OSError) as exc:
         print(f"kvpool: {exc}", file=sys.stderr)
         return 2
+    if args.quiet:  # the compute choice is said even then: one line
+        print(f"kvpool: {llm.loaded.compute_line()}", file=sys.stderr)
     engine = AsyncLLM(llm)
     model = ServedModel.open(args.model, llm, engine)
     pool = llm.engine.manager

@@ -1,0 +1,207 @@
+"""``kvpool bench synth-model``: GGUF files with random weights and the geometry and
+quantization mix of real models, so speed and memory are measured at the sizes users run
+without downloading anything. The text such a model writes is noise; its shapes, bytes
+and arithmetic are real, and llama.cpp runs the same files.
+
+Geometries follow the models' published configs (vocabulary sizes included); mixes follow
+llama.cpp's quantize rules: ``Q4_0`` and ``Q8_0`` quantize every matrix alike (Q4_0's
+output head is Q6_K, as llama.cpp makes it), ``Q4_K_M`` uses Q4_K with Q6_K for the
+output head and for ``attn_v`` / ``ffn_down`` in the layers llama.cpp gives more bits
+(the first and last eighth, and every third in between). A tied embedding is the head,
+so it gets the head's type. The vocabulary is a SentencePiece one of the real size (byte
+tokens, a few pieces and fillers) with a ChatML template.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvpool.bench.random_blocks import TYPES, random_blocks
+from kvpool.progress import Progress
+
+
+@dataclass(frozen=True)
+class Geometry:
+    arch: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied: bool
+    rope_theta: float = 10000.0
+    context: int = 8192
+    llama3_rope: bool = False  # a rope_freqs tensor (Llama 3.1/3.2 frequency scaling)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+_L3 = {"rope_theta": 500000.0, "llama3_rope": True}
+PRESETS = {
+    "smollm2-135m": Geometry("llama", 576, 30, 9, 3, 1536, 49152, True, 100000.0),
+    "llama-3.2-1b": Geometry("llama", 2048, 16, 32, 8, 8192, 128256, True, **_L3),
+    "llama-3.2-3b": Geometry("llama", 3072, 28, 24, 8, 8192, 128256, True, **_L3),
+    "llama-3.1-8b": Geometry("llama", 4096, 32, 32, 8, 14336, 128256, False, **_L3),
+    "qwen2.5-0.5b": Geometry("qwen2", 896, 24, 14, 2, 4864, 151936, True, 1000000.0),
+}
+MIXES = ("Q4_0", "Q8_0", "Q4_K_M")
+FILE_TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15}  # llama.cpp's general.file_type
+WEIGHT_SCALE = 0.06  # spread of the random weights (keeps activations finite and moving)
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v and ffn_down get more bits."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def tensor_type(mix: str, name: str, layer: int, geometry: Geometry) -> str:
+    """The ggml type of one matrix under ``mix`` (1-D tensors are F32)."""
+    head = name == "output.weight" or (name == "token_embd.weight" and geometry.tied)
+    if mix == "Q8_0":
+        qtype = "Q8_0"
+    elif mix == "Q4_0":
+        qtype = "Q6_K" if head else "Q4_0"
+    else:
+        more = name.endswith(("attn_v.weight", "ffn_down.weight"))
+        qtype = "Q6_K" if head or (more and _more_bits(layer, geometry.layers)) else "Q4_K"
+    return qtype
+
+
+def _shapes(g: Geometry) -> list[tuple[str, tuple[int, ...], int]]:
+    """(name, torch-order shape, layer) of every tensor, in llama.cpp's order."""
+    out: list[tuple[str, tuple[int, ...], int]] = [("token_embd.weight", (g.vocab, g.hidden), -1)]
+    if g.llama3_rope:
+        out.append(("rope_freqs.weight", (g.head_dim // 2,), -1))
+    for i in range(g.layers):
+        p = f"blk.{i}."
+        out += [
+            (p + "attn_norm.weight", (g.hidden,), i),
+            (p + "attn_q.weight", (g.heads * g.head_dim, g.hidden), i),
+            (p + "attn_k.weight", (g.kv_heads * g.head_dim, g.hidden), i),
+            (p + "attn_v.weight", (g.kv_heads * g.head_dim, g.hidden), i),
+        ]
+        if g.arch == "qwen2":
+            out += [
+                (p + "attn_q.bias", (g.heads * g.head_dim,), i),
+                (p + "attn_k.bias", (g.kv_heads * g.head_dim,), i),
+                (p + "attn_v.bias", (g.kv_heads * g.head_dim,), i),
+            ]
+        out += [
+            (p + "attn_output.weight", (g.hidden, g.hidden), i),
+            (p + "ffn_norm.weight", (g.hidden,), i),
+            (p + "ffn_gate.weight", (g.ffn, g.hidden), i),
+            (p + "ffn_up.weight", (g.ffn, g.hidden), i),
+            (p + "ffn_down.weight", (g.hidden, g.ffn), i),
+        ]
+    out.append(("output_norm.weight", (g.hidden,), -1))
+    if not g.tied:
+        out.append(("output.weight", (g.vocab, g.hidden), -1))
+    return out
+
+
+def _vocabulary(size: int) -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece vocabulary of ``size`` tokens: unk, bos, eos, the ChatML markers,
+    256 byte tokens (byte fallback: any text encodes), letters, then filler pieces."""
+    tokens = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    types = [2, 3, 3, 3, 3]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    letters = [*"abcdefghijklmnopqrstuvwxyz", "▁"]
+    tokens += letters
+    types += [1] * len(letters)
+    filler = size - len(tokens)
+    tokens += [f"▁w{i}" for i in range(filler)]
+    types += [1] * filler
+    scores = [0.0] * (len(tokens) - filler - len(letters)) + [
+        -100.0 - i for i in range(len(letters))
+    ]
+    scores += [-1000.0 - i for i in range(filler)]
+    return tokens, scores, types
+
+
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _data(name: str, shape: tuple[int, ...], qtype: str, g: Geometry, rng) -> np.ndarray:
+    if len(shape) == 1:
+        if name == "rope_freqs.weight":
+            return np.linspace(1.0, 8.0, shape[0]).astype(np.float32)
+        if name.endswith("bias"):
+            return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+        return (1.0 + 0.05 * rng.standard_normal(shape)).astype(np.float32)
+    return random_blocks(qtype, shape[0], shape[1], rng, scale=WEIGHT_SCALE)
+
+
+def write(preset: str, mix: str, path: Path, *, seed: int = 0, progress: bool = True) -> Path:
+    """Write ``preset`` quantized as ``mix`` to ``path``; returns the path."""
+    import gguf
+
+    g = PRESETS[preset]
+    if mix not in MIXES:
+        raise ValueError(f"unknown mix {mix!r}; choose from {', '.join(MIXES)}")
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), g.arch)
+    writer.add_name(f"{preset} (random weights, {mix})")
+    writer.add_file_type(FILE_TYPES[mix])
+    writer.add_context_length(g.context)
+    writer.add_embedding_length(g.hidden)
+    writer.add_feed_forward_length(g.ffn)
+    writer.add_block_count(g.layers)
+    writer.add_head_count(g.heads)
+    writer.add_head_count_kv(g.kv_heads)
+    writer.add_rope_dimension_count(g.head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(g.rope_theta)
+    writer.add_vocab_size(g.vocab)
+    tokens, scores, types = _vocabulary(g.vocab)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(4)  # <|im_end|> ends a turn
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML)
+    tensors = _shapes(g)
+    plan = []
+    for name, shape, layer in tensors:
+        qtype = "F32" if len(shape) == 1 else tensor_type(mix, name, layer, g)
+        if qtype.endswith("_K") and shape[1] % 256:
+            qtype = "Q8_0"  # rows that are not whole 256-blocks (llama.cpp falls back too)
+        plan.append((name, shape, qtype))
+        if qtype == "F32":
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
+        else:
+            _, elems, size, _, _ = TYPES[qtype]
+            nbytes = shape[0] * shape[1] // elems * size
+            writer.add_tensor_info(
+                name, (shape[0], shape[1] // elems * size), np.dtype(np.uint8), nbytes,
+                raw_dtype=gguf.GGMLQuantizationType[qtype],
+            )  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    bar = Progress(f"writing {path.name}", len(plan)) if progress else None
+    for name, shape, qtype in plan:
+        writer.write_tensor_data(_data(name, shape, qtype, g, rng))
+        if bar:
+            bar.advance()
+    if bar:
+        bar.__exit__()
+    writer.close()
+    if progress:
+        print(f"wrote {path} ({path.stat().st_size / 2**20:.0f} MiB)", file=sys.stderr)
+    return path
