@@ -128,3 +128,46 @@ def test_int8_products_on_the_default_model_stay_near_the_float_ones(default_mod
         diff = (logits["int8"] - logits["float"]).abs()
         agree = (logits["int8"].argmax(-1) == logits["float"].argmax(-1)).float().mean()
         assert diff.mean().item() < 0.6 and agree.item() >= 0.9
+
+
+PACKABLE = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+PACKED = 0x100
+
+
+@pytest.mark.parametrize("qtype", PACKABLE)
+def test_the_packed_layout_holds_the_same_values(qtype):
+    """Repacked rows (groups of 8 interleaved) dequantize to exactly the file's values,
+    whole or row by row (an embedding lookup), in the same number of bytes."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    tid = TYPES[qtype][0]
+    raw = blocks(qtype, 24, 512, seed=3)
+    packed = ops.quant_pack(raw, tid)
+    assert packed.numel() == raw.numel() and packed.shape[0] == 3
+    want = dequantize(raw.numpy(), GGMLQuantizationType(tid))
+    assert np.array_equal(ops.quant_dequantize(packed, tid | PACKED, 512).numpy(), want)
+    rows = torch.tensor([23, 0, 9, 9])
+    got = ops.quant_dequantize(packed, tid | PACKED, 512, "", rows).numpy()
+    assert np.array_equal(got, want[rows.numpy()])
+
+
+@pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
+@pytest.mark.parametrize("qtype", PACKABLE)
+def test_packed_products_equal_the_row_kernels(qtype, variant):
+    """The packed kernels compute each row's integer sums exactly as the row kernels do
+    (only the float accumulation's rounding may differ), row-invariant too; a variant
+    without packed kernels (generic) multiplies the packed layout by float tiles."""
+    tid = TYPES[qtype][0]
+    raw = blocks(qtype, 40, 768, seed=4)
+    packed = ops.quant_pack(raw, tid)
+    x = torch.randn(11, 768, generator=torch.Generator().manual_seed(4))
+    for mode in (0, 1):
+        rows = ops.quant_matmul(x, [raw], [tid], mode, variant)
+        grouped = ops.quant_matmul(x, [packed], [tid | PACKED], mode, variant)
+        assert (grouped - rows).abs().max().item() <= 1e-5 * rows.abs().max().item()
+    batch = ops.quant_matmul(x, [packed], [tid | PACKED], 0, variant)
+    for i in (0, 5, 10):
+        alone = ops.quant_matmul(x[i : i + 1], [packed], [tid | PACKED], 0, variant)[0]
+        assert torch.equal(alone, batch[i])
+    assert ops.quant_packs(tid, variant) == (variant != "generic")

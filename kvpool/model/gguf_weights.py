@@ -32,25 +32,54 @@ KEPT_QUANTIZED = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
 _EMBEDDING = "token_embd.weight"
 
 
+PACKED = 0x100  # a type flag for the native ops: the tensor is in the packed layout
+
+
 @dataclass
 class QuantizedMatrix:
     """A matrix ``[rows, cols]`` kept as its GGUF blocks: ``raw`` is uint8
-    ``[rows, bytes per row]`` (each row whole blocks of ggml type ``qtype``)."""
+    ``[rows, bytes per row]`` (each row whole blocks of ggml type ``qtype``), or, once
+    ``pack``ed, the same bytes in the native kernels' packed layout (groups of 8 rows
+    interleaved: ``[rows / 8, 8 * bytes per row]``)."""
 
     raw: torch.Tensor
     qtype: int
     cols: int
+    packed: bool = False
+
+    @property
+    def rows(self) -> int:
+        return self.raw.shape[0] * (8 if self.packed else 1)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.raw.shape[0], self.cols)
+        return (self.rows, self.cols)
+
+    @property
+    def native_type(self) -> int:
+        """The type id the native ops take (with the packed flag)."""
+        return self.qtype | (PACKED if self.packed else 0)
 
     def numel(self) -> int:
-        return self.raw.shape[0] * self.cols
+        return self.rows * self.cols
 
     @property
     def nbytes(self) -> int:
         return self.raw.numel()
+
+    def pack(self, variant: str = "") -> bool:
+        """Repack in place where ``variant``'s kernels multiply the packed layout faster
+        (the same bytes: the file's rows are not kept). True if packed."""
+        from kvpool.model.native import native_ops
+
+        ops = native_ops()
+        if self.packed:
+            return True
+        if ops is None or self.rows % 8 or not ops.quant_packs(self.qtype, variant):
+            return False
+        self.raw = ops.quant_pack(self.raw, self.qtype)
+        self.packed = True
+        return True
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 ``[rows, cols]`` (all rows, or the ones ``rows`` selects): natively
@@ -58,13 +87,14 @@ class QuantizedMatrix:
         values, bit for bit: tests compare them)."""
         from kvpool.model.native import native_ops
 
-        raw = self.raw if rows is None else self.raw[rows.cpu()]
         ops = native_ops()
         if ops is not None:
-            return ops.quant_dequantize(raw, self.qtype, self.cols)
+            ids = None if rows is None else rows.cpu()
+            return ops.quant_dequantize(self.raw, self.native_type, self.cols, "", ids)
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
+        raw = self.raw if rows is None else self.raw[rows.cpu()]
         return torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType(self.qtype)))
 
 

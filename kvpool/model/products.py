@@ -82,8 +82,10 @@ class QuantLinear:
             raise ValueError(f"parts of one product need one width, got {sorted(cols)}")
         self.cols = parts[0].cols
         self.float_out = float_out
+        for part in parts:  # the packed layout where the kernels have it: same bytes
+            part.pack(policy.variant)
         self.raws = [p.raw for p in parts]
-        self.types = [p.qtype for p in parts]
+        self.types = [p.native_type for p in parts]
         self.bias = bias
         self.policy = policy
         self.numel_ = sum(p.numel() for p in parts) + (bias.numel() if bias is not None else 0)

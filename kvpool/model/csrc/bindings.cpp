@@ -10,7 +10,10 @@ at::Tensor add_rms_norm_(at::Tensor& x, const c10::optional<at::Tensor>& y, cons
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,
                          at::Tensor& layer_kv, const at::Tensor& slots, int64_t num_heads);
 std::vector<std::string> kernel_variants();
-at::Tensor quant_dequantize(const at::Tensor& raw, int64_t qtype, int64_t k, const std::string& isa);
+at::Tensor quant_dequantize(const at::Tensor& raw, int64_t qtype, int64_t k, const std::string& isa,
+                            const c10::optional<at::Tensor>& rows);
+at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype);
+bool quant_packs(int64_t qtype, const std::string& isa);
 at::Tensor quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& parts,
                         const std::vector<int64_t>& types, int64_t mode, const std::string& isa);
 
@@ -25,7 +28,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rotary embedding of Q and K, K and V written to the store's slots; returns Q");
   m.def("kernel_variants", &kernel_variants, "the kernel variants this CPU runs, fastest first");
   m.def("quant_dequantize", &quant_dequantize, "rows of GGUF blocks to float32 [rows, K]",
-        py::arg("raw"), py::arg("qtype"), py::arg("k"), py::arg("variant") = "");
+        py::arg("raw"), py::arg("qtype"), py::arg("k"), py::arg("variant") = "",
+        py::arg("rows") = py::none());
+  m.def("quant_pack", &quant_pack, "rows of GGUF blocks in the packed layout (groups of 8 rows)");
+  m.def("quant_packs", &quant_packs, "whether these kernels multiply the packed layout of a type",
+        py::arg("qtype"), py::arg("variant") = "");
   m.def("quant_matmul", &quant_matmul,
         "x [M, K] times the stacked quantized parts transposed: float32 [M, rows]", py::arg("x"),
         py::arg("parts"), py::arg("types"), py::arg("mode") = 0, py::arg("variant") = "");

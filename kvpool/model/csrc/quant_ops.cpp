@@ -13,6 +13,9 @@
 //           large steps on CPUs with bf16 products in hardware).
 // Work is split over tiles of weight rows; each thread dequantizes or unpacks only its
 // own rows, so no dequantized copy of a matrix ever exists.
+//
+// A part's type may carry kPacked: its tensor then holds the packed layout of
+// quant_packed.h, [rows / 8, 8 * bytes per row] (quant_pack makes it).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,6 +27,7 @@
 #include "quant_blocks.h"
 #include "isa_select.h"
 #include "quant_kernels.h"
+#include "quant_packed.h"
 
 namespace {
 
@@ -31,10 +35,13 @@ using kvp::QuantKernels;
 
 const QuantKernels* table(const std::string& isa) { return kvp::variant(isa).quant; }
 
+constexpr int kPacked = 0x100;  // a type flag: the part is in the packed layout
+
 struct Part {
   const uint8_t* raw;
   int64_t rows, row_bytes, offset;  // offset: first output column
   int type;
+  bool packed;
 };
 
 std::vector<Part> check_parts(const std::vector<at::Tensor>& parts, const std::vector<int64_t>& types,
@@ -44,18 +51,35 @@ std::vector<Part> check_parts(const std::vector<at::Tensor>& parts, const std::v
   int64_t offset = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
     const auto& p = parts[i];
-    const int t = static_cast<int>(types[i]);
+    const bool packed = (types[i] & kPacked) != 0;
+    const int t = static_cast<int>(types[i] & ~kPacked);
     TORCH_CHECK(kvp::known_type(t) && t != kvp::kF32 && t != kvp::kF16 && t != kvp::kBF16,
                 "part ", i, ": unsupported ggml type ", t);
+    TORCH_CHECK(!packed || kvp::packable(t), "part ", i, ": type ", t, " has no packed layout");
     TORCH_CHECK(k % kvp::block_elems(t) == 0 && k % 32 == 0, "part ", i, ": K=", k,
                 " is not a whole number of blocks");
     const int64_t row_bytes = k / kvp::block_elems(t) * kvp::block_bytes(t);
-    TORCH_CHECK(p.dim() == 2 && p.scalar_type() == at::kByte && p.is_contiguous() && p.size(1) == row_bytes,
-                "part ", i, ": a contiguous uint8 [rows, ", row_bytes, "] tensor of its blocks");
-    out.push_back({p.data_ptr<uint8_t>(), p.size(0), row_bytes, offset, t});
-    offset += p.size(0);
+    const int64_t width = packed ? kvp::kGroup * row_bytes : row_bytes;
+    TORCH_CHECK(p.dim() == 2 && p.scalar_type() == at::kByte && p.is_contiguous() && p.size(1) == width,
+                "part ", i, ": a contiguous uint8 [rows, ", width, "] tensor of its blocks");
+    const int64_t rows = packed ? p.size(0) * kvp::kGroup : p.size(0);
+    out.push_back({p.data_ptr<uint8_t>(), rows, row_bytes, offset, t, packed});
+    offset += rows;
   }
   return out;
+}
+
+// Rows [first, first + count) of a part as floats (count * k): dequantized from the file
+// blocks by the kernels, or from the packed layout row by row.
+void dequantize_part(const QuantKernels* t, const Part& p, int64_t first, int64_t count, int64_t k,
+                     float* out) {
+  if (!p.packed) {
+    t->dequantize_rows(p.type, p.raw + first * p.row_bytes, p.row_bytes, count, k, out);
+    return;
+  }
+  for (int64_t n = first; n < first + count; ++n)
+    kvp::dequantize_packed_row(p.type, p.raw + (n / kvp::kGroup) * kvp::kGroup * p.row_bytes, k,
+                               static_cast<int>(n % kvp::kGroup), out + (n - first) * k);
 }
 
 constexpr int64_t kIntTile = 16;     // weight rows per task, integer products
@@ -71,14 +95,48 @@ std::vector<std::string> kernel_variants() {
   return names;
 }
 
-at::Tensor quant_dequantize(const at::Tensor& raw, int64_t qtype, int64_t k, const std::string& isa) {
+bool quant_packs(int64_t qtype, const std::string& isa) {
+  return kvp::packable(static_cast<int>(qtype)) && table(isa)->has_packed_dot(static_cast<int>(qtype));
+}
+
+at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype) {
+  TORCH_CHECK(kvp::packable(static_cast<int>(qtype)), "type ", qtype, " has no packed layout");
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() &&
+              raw.size(0) % kvp::kGroup == 0, "raw: contiguous uint8 [rows, bytes], rows a multiple of 8");
+  const int t = static_cast<int>(qtype);
+  const int64_t row_bytes = raw.size(1);
+  TORCH_CHECK(row_bytes % kvp::block_bytes(t) == 0, "raw: rows of whole blocks");
+  auto out = at::empty({raw.size(0) / kvp::kGroup, kvp::kGroup * row_bytes}, raw.options());
+  const uint8_t* in = raw.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, out.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      kvp::pack_group(t, in + g * kvp::kGroup * row_bytes, row_bytes, o + g * kvp::kGroup * row_bytes);
+  });
+  return out;
+}
+
+at::Tensor quant_dequantize(const at::Tensor& raw, int64_t qtype, int64_t k, const std::string& isa,
+                            const c10::optional<at::Tensor>& rows) {
   const auto parts = check_parts({raw}, {qtype}, k);
-  auto out = at::empty({raw.size(0), k}, at::kFloat);
+  const Part& p = parts[0];
   const QuantKernels* t = table(isa);
+  if (rows.has_value()) {  // selected rows (an embedding lookup)
+    const auto ids = rows->to(at::kLong).contiguous();
+    const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < ids.numel(); ++i)
+      TORCH_CHECK(id[i] >= 0 && id[i] < p.rows, "row ", id[i], " out of the matrix");
+    auto out = at::empty({ids.numel(), k}, at::kFloat);
+    float* o = out.data_ptr<float>();
+    at::parallel_for(0, ids.numel(), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) dequantize_part(t, p, id[i], 1, k, o + i * k);
+    });
+    return out;
+  }
+  auto out = at::empty({p.rows, k}, at::kFloat);
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, raw.size(0), 64, [&](int64_t begin, int64_t end) {
-    t->dequantize_rows(parts[0].type, parts[0].raw + begin * parts[0].row_bytes, parts[0].row_bytes,
-                       end - begin, k, o + begin * k);
+  at::parallel_for(0, p.rows, 64, [&](int64_t begin, int64_t end) {
+    dequantize_part(t, p, begin, end - begin, k, o + begin * k);
   });
   return out;
 }
@@ -101,29 +159,35 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
 
+  auto integer_for = [&](const Part& p) {
+    return mode == 0 && (p.packed ? t->has_packed_dot(p.type) : t->has_int_dot(p.type));
+  };
   bool any_int = false;
-  for (const auto& p : parts) any_int |= mode == 0 && t->has_int_dot(p.type);
-  at::Tensor q8, q8d, q8ds;
-  kvp::Q8Rows act{nullptr, nullptr, nullptr, k};
+  for (const auto& p : parts) any_int |= integer_for(p);
+  at::Tensor q8, q8d, q8ds, q8dsh;
+  kvp::Q8Rows act{nullptr, nullptr, nullptr, nullptr, k};
   if (any_int) {
     q8 = at::empty({m, k}, at::kChar);
     q8d = at::empty({m, k / 32}, at::kFloat);
     q8ds = at::empty({m, k / 32}, at::kFloat);
+    q8dsh = at::empty({m, k / 16}, at::kFloat);
     int8_t* q = q8.data_ptr<int8_t>();
     float* d = q8d.data_ptr<float>();
     float* ds = q8ds.data_ptr<float>();
+    float* dsh = q8dsh.data_ptr<float>();
     at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
       t->quantize_rows(xp + begin * k, end - begin, k, q + begin * k, d + begin * (k / 32),
-                       ds + begin * (k / 32));
+                       ds + begin * (k / 32), dsh + begin * (k / 16));
     });
-    act = {q, d, ds, k};
+    act = {q, d, ds, dsh, k};
   }
 
-  // Tasks: (part, first row, rows), integer tiles and float tiles apart.
+  // Tasks: (part, first row, rows), integer tiles and float tiles apart (packed parts in
+  // whole groups of 8 rows).
   struct Task { int part; int64_t row, rows; bool integer; };
   std::vector<Task> tasks;
   for (size_t i = 0; i < parts.size(); ++i) {
-    const bool integer = mode == 0 && t->has_int_dot(parts[i].type);
+    const bool integer = integer_for(parts[i]);
     const int64_t tile = integer ? kIntTile : kFloatTile;
     for (int64_t r = 0; r < parts[i].rows; r += tile)
       tasks.push_back({static_cast<int>(i), r, std::min(tile, parts[i].rows - r), integer});
@@ -135,8 +199,7 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
       if (task.integer) continue;
       const Part& p = parts[task.part];
       buffer.resize(task.rows * k);
-      t->dequantize_rows(p.type, p.raw + task.row * p.row_bytes, p.row_bytes, task.rows, k,
-                         buffer.data());
+      dequantize_part(t, p, task.row, task.rows, k, buffer.data());
       float* out = yp + p.offset + task.row;
       if (bf16_tiles) {
         auto wt = at::from_blob(buffer.data(), {task.rows, k}, at::kFloat).to(at::kBFloat16);
@@ -154,13 +217,21 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
     // integer tiles: activation rows in blocks that stay in cache across the tiles
     for (int64_t m0 = 0; m0 < m; m0 += kRowBlock) {
       const int64_t mb = std::min(kRowBlock, m - m0);
-      const kvp::Q8Rows block{act.q + m0 * k, act.d + m0 * (k / 32), act.ds + m0 * (k / 32), k};
+      const kvp::Q8Rows block{act.q + m0 * k, act.d + m0 * (k / 32), act.ds + m0 * (k / 32),
+                              act.dsh + m0 * (k / 16), k};
       for (int64_t i = begin; i < end; ++i) {
         const Task& task = tasks[i];
         if (!task.integer) continue;
         const Part& p = parts[task.part];
-        t->int_dot(p.type, p.raw + task.row * p.row_bytes, p.row_bytes, task.rows, &block, mb,
-                   yp + m0 * n_total + p.offset + task.row, n_total);
+        float* out = yp + m0 * n_total + p.offset + task.row;
+        if (p.packed) {
+          const int64_t group_bytes = kvp::kGroup * p.row_bytes;
+          t->packed_dot(p.type, p.raw + task.row / kvp::kGroup * group_bytes, group_bytes,
+                        task.rows / kvp::kGroup, &block, mb, out, n_total);
+        } else {
+          t->int_dot(p.type, p.raw + task.row * p.row_bytes, p.row_bytes, task.rows, &block, mb,
+                     out, n_total);
+        }
       }
     }
   });

@@ -1,0 +1,166 @@
+// The packed ("x8") layouts: a repacked form of the same blocks, the same bytes and the
+// same precision, made at load for the formats the vector kernels multiply fastest this
+// way. Rows go in groups of 8, and each 32-value unit of the 8 rows is stored together,
+// interleaved so that one 32-byte vector holds 4 consecutive values of each of the 8
+// rows: an int8 dot product of that vector with 4 activation bytes broadcast gives one
+// output row per 32-bit lane. A unit's 8 rows are multiplied with no horizontal sums and
+// no shuffles, and each weight byte loaded serves every activation row of the pass.
+//
+// Per group of 8 rows and per block (fp16 fields as in the file):
+//   Q4_0 (144 B):  d[8] | nibbles[128]
+//   Q4_1 (160 B):  d[8] | m[8] | nibbles[128]
+//   Q8_0 (272 B):  d[8] | q[256]                      (signed, as in the file)
+//   Q4_K (1152 B): d[8] | dmin[8] | scales[8][12] | 8 units x nibbles[128]
+//   Q6_K (1680 B): d[8] | scales[8][16] | 8 units x (nibbles[128] | high bits[64])
+// nibbles[128], 4 vectors t: byte 32 t + 4 r + i = value 8 t + i of row r (low nibble)
+//   and value 8 t + 4 + i (high nibble).
+// q[256], 8 vectors j: byte 32 j + 4 r + i = value 4 j + i of row r.
+// high bits[64] (Q6_K's top 2 bits), 2 vectors s for t = 2 s, 2 s + 1: byte 32 s + 4 r + i
+//   holds, from bit 0, the values 8 t + i, 8 t + 4 + i of t = 2 s, then of t = 2 s + 1.
+//
+// Plain C++ (static inline, C headers only): see quant_blocks.h.
+
+#pragma once
+
+#include "quant_blocks.h"
+
+namespace kvp {
+
+constexpr int kGroup = 8;
+
+static inline bool packable(int t) {
+  return t == kQ4_0 || t == kQ4_1 || t == kQ8_0 || t == kQ4_K || t == kQ6_K;
+}
+
+// Offset of a format's values in its file block, and of its packed header.
+static inline int header_bytes(int t) {
+  switch (t) {
+    case kQ4_0: case kQ8_0: return 16;
+    case kQ4_1: return 32;
+    case kQ4_K: return 16 + 16 + 96;
+    case kQ6_K: return 16 + 128;
+    default: return 0;
+  }
+}
+
+// Value e (0..31) of unit j of a file block, as the unsigned (Q4_0, Q4_1, Q4_K: 0..15;
+// Q6_K: 0..63) or signed (Q8_0) integer the format stores.
+static inline int unit_value(int t, const uint8_t* b, int j, int e) {
+  switch (t) {
+    case kQ4_0: return e < 16 ? b[2 + e] & 0xF : b[2 + e - 16] >> 4;
+    case kQ4_1: return e < 16 ? b[4 + e] & 0xF : b[4 + e - 16] >> 4;
+    case kQ8_0: return (int8_t)b[2 + e];
+    case kQ4_K: return (b[16 + 32 * (j >> 1) + e] >> (4 * (j & 1))) & 0xF;
+    case kQ6_K: {
+      const int n = j >> 2, i = j & 3;
+      const int low = (b[64 * n + 32 * (i & 1) + e] >> (4 * (i >> 1))) & 0xF;
+      const int high = (b[128 + 32 * n + e] >> (2 * i)) & 3;
+      return low | (high << 4);
+    }
+    default: return 0;
+  }
+}
+
+static inline int units_per_block(int t) { return block_elems(t) / 32; }
+
+// Repack rows [8 g, 8 g + 8) (file blocks, row_bytes apart) into one group (8 * row_bytes).
+static inline void pack_group(int t, const uint8_t* rows, int64_t row_bytes, uint8_t* out) {
+  const int bb = block_bytes(t), units = units_per_block(t);
+  const int64_t blocks = row_bytes / bb;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    uint8_t* o = out + blk * kGroup * bb;
+    const uint8_t* src[kGroup];
+    for (int r = 0; r < kGroup; ++r) src[r] = rows + r * row_bytes + blk * bb;
+    // headers
+    for (int r = 0; r < kGroup; ++r) {
+      switch (t) {
+        case kQ4_0: case kQ8_0: memcpy(o + 2 * r, src[r], 2); break;
+        case kQ4_1: memcpy(o + 2 * r, src[r], 2); memcpy(o + 16 + 2 * r, src[r] + 2, 2); break;
+        case kQ4_K:
+          memcpy(o + 2 * r, src[r], 2);
+          memcpy(o + 16 + 2 * r, src[r] + 2, 2);
+          memcpy(o + 32 + 12 * r, src[r] + 4, 12);
+          break;
+        case kQ6_K: memcpy(o + 2 * r, src[r] + 208, 2); memcpy(o + 16 + 16 * r, src[r] + 192, 16); break;
+        default: break;
+      }
+    }
+    uint8_t* body = o + header_bytes(t);
+    const int unit_bytes = t == kQ8_0 ? 256 : t == kQ6_K ? 192 : 128;
+    for (int j = 0; j < units; ++j) {
+      uint8_t* u = body + j * unit_bytes;
+      int v[kGroup][32];
+      for (int r = 0; r < kGroup; ++r)
+        for (int e = 0; e < 32; ++e) v[r][e] = unit_value(t, src[r], j, e);
+      if (t == kQ8_0) {
+        for (int jj = 0; jj < 8; ++jj)
+          for (int r = 0; r < kGroup; ++r)
+            for (int i = 0; i < 4; ++i) u[32 * jj + 4 * r + i] = (uint8_t)(int8_t)v[r][4 * jj + i];
+        continue;
+      }
+      for (int q = 0; q < 4; ++q)
+        for (int r = 0; r < kGroup; ++r)
+          for (int i = 0; i < 4; ++i)
+            u[32 * q + 4 * r + i] = (uint8_t)((v[r][8 * q + i] & 0xF) | ((v[r][8 * q + 4 + i] & 0xF) << 4));
+      if (t == kQ6_K) {
+        for (int s = 0; s < 2; ++s)
+          for (int r = 0; r < kGroup; ++r)
+            for (int i = 0; i < 4; ++i) {
+              int bits = 0;
+              for (int h = 0; h < 2; ++h) {
+                const int q = 2 * s + h;
+                bits |= ((v[r][8 * q + i] >> 4) & 3) << (4 * h);
+                bits |= ((v[r][8 * q + 4 + i] >> 4) & 3) << (4 * h + 2);
+              }
+              u[128 + 32 * s + 4 * r + i] = (uint8_t)bits;
+            }
+      }
+    }
+  }
+}
+
+// Value e of unit j of row r in a packed group-block o, as unit_value gives it.
+static inline int packed_value(int t, const uint8_t* o, int j, int r, int e) {
+  const uint8_t* body = o + header_bytes(t);
+  if (t == kQ8_0) return (int8_t)body[256 * j + 32 * (e / 4) + 4 * r + e % 4];
+  const int unit_bytes = t == kQ6_K ? 192 : 128;
+  const uint8_t* u = body + j * unit_bytes;
+  const int q = e / 8, w = e % 8, i = w % 4;
+  const int nibble = (u[32 * q + 4 * r + i] >> (w < 4 ? 0 : 4)) & 0xF;
+  if (t != kQ6_K) return nibble;
+  const int shift = 4 * (q & 1) + (w < 4 ? 0 : 2);
+  return nibble | (((u[128 + 32 * (q >> 1) + 4 * r + i] >> shift) & 3) << 4);
+}
+
+// Row r (0..7) of a packed group, k values, dequantized.
+static inline void dequantize_packed_row(int t, const uint8_t* group, int64_t k, int r, float* y) {
+  const int bb = block_bytes(t), be = block_elems(t), units = units_per_block(t);
+  for (int64_t blk = 0; blk < k / be; ++blk) {
+    const uint8_t* o = group + blk * kGroup * bb;
+    float* out = y + blk * be;
+    const float d = read_fp16(o + 2 * r);
+    if (t == kQ4_0 || t == kQ4_1 || t == kQ8_0) {
+      const float m = t == kQ4_1 ? read_fp16(o + 16 + 2 * r) : 0.f;
+      for (int e = 0; e < 32; ++e) {
+        const int q = packed_value(t, o, 0, r, e);
+        out[e] = t == kQ4_0 ? (q - 8) * d : t == kQ4_1 ? q * d + m : q * d;
+      }
+    } else if (t == kQ4_K) {
+      const float dmin = read_fp16(o + 16 + 2 * r);
+      for (int j = 0; j < units; ++j) {
+        uint8_t sc, m;
+        scale_min_k4(j, o + 32 + 12 * r, &sc, &m);
+        for (int e = 0; e < 32; ++e) out[32 * j + e] = d * sc * packed_value(t, o, j, r, e) - dmin * m;
+      }
+    } else {  // Q6_K: unit j = 4 n + i holds values 128 n + 32 i + l, scale sc[8 n + l / 16 + 2 i]
+      const int8_t* sc = (const int8_t*)(o + 16 + 16 * r);
+      for (int j = 0; j < units; ++j) {
+        const int n = j >> 2, i = j & 3;
+        for (int e = 0; e < 32; ++e)
+          out[128 * n + 32 * i + e] = d * sc[8 * n + e / 16 + 2 * i] * (packed_value(t, o, j, r, e) - 32);
+      }
+    }
+  }
+}
+
+}  // namespace kvp
