@@ -144,7 +144,8 @@ def test_the_packed_layout_holds_the_same_values(qtype):
     tid = TYPES[qtype][0]
     raw = blocks(qtype, 24, 512, seed=3)
     packed = ops.quant_pack(raw, tid)
-    assert packed.numel() == raw.numel() and packed.shape[0] == 3
+    extra = raw.numel() * 32 // (8 * 144) if qtype == "Q4_K" else 0  # scales unpacked: +2.8%
+    assert packed.numel() == raw.numel() + extra and packed.shape[0] == 3
     want = dequantize(raw.numpy(), GGMLQuantizationType(tid))
     assert np.array_equal(ops.quant_dequantize(packed, tid | PACKED, 512).numpy(), want)
     rows = torch.tensor([23, 0, 9, 9])

@@ -107,7 +107,7 @@ class QuantLinear:
 
 
 def calibrate(
-    linear: QuantLinear, tiles: int, sizes: tuple[int, ...] = (8, 16, 32, 64, 128, 256)
+    linear: QuantLinear, tiles: int, sizes: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
 ) -> int | None:
     """The largest step size at which ``int8`` products are still faster than ``tiles``
     for this product on this CPU: 0 if tiles win from the smallest size measured, None

@@ -59,7 +59,7 @@ std::vector<Part> check_parts(const std::vector<at::Tensor>& parts, const std::v
     TORCH_CHECK(k % kvp::block_elems(t) == 0 && k % 32 == 0, "part ", i, ": K=", k,
                 " is not a whole number of blocks");
     const int64_t row_bytes = k / kvp::block_elems(t) * kvp::block_bytes(t);
-    const int64_t width = packed ? kvp::kGroup * row_bytes : row_bytes;
+    const int64_t width = packed ? kvp::group_bytes(t, k) : row_bytes;
     TORCH_CHECK(p.dim() == 2 && p.scalar_type() == at::kByte && p.is_contiguous() && p.size(1) == width,
                 "part ", i, ": a contiguous uint8 [rows, ", width, "] tensor of its blocks");
     const int64_t rows = packed ? p.size(0) * kvp::kGroup : p.size(0);
@@ -77,8 +77,9 @@ void dequantize_part(const QuantKernels* t, const Part& p, int64_t first, int64_
     t->dequantize_rows(p.type, p.raw + first * p.row_bytes, p.row_bytes, count, k, out);
     return;
   }
+  const int64_t group_bytes = kvp::group_bytes(p.type, k);
   for (int64_t n = first; n < first + count; ++n)
-    kvp::dequantize_packed_row(p.type, p.raw + (n / kvp::kGroup) * kvp::kGroup * p.row_bytes, k,
+    kvp::dequantize_packed_row(p.type, p.raw + (n / kvp::kGroup) * group_bytes, k,
                                static_cast<int>(n % kvp::kGroup), out + (n - first) * k);
 }
 
@@ -106,12 +107,14 @@ at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype) {
   const int t = static_cast<int>(qtype);
   const int64_t row_bytes = raw.size(1);
   TORCH_CHECK(row_bytes % kvp::block_bytes(t) == 0, "raw: rows of whole blocks");
-  auto out = at::empty({raw.size(0) / kvp::kGroup, kvp::kGroup * row_bytes}, raw.options());
+  const int64_t k = row_bytes / kvp::block_bytes(t) * kvp::block_elems(t);
+  const int64_t group_bytes = kvp::group_bytes(t, k);
+  auto out = at::empty({raw.size(0) / kvp::kGroup, group_bytes}, raw.options());
   const uint8_t* in = raw.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
   at::parallel_for(0, out.size(0), 16, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
-      kvp::pack_group(t, in + g * kvp::kGroup * row_bytes, row_bytes, o + g * kvp::kGroup * row_bytes);
+      kvp::pack_group(t, in + g * kvp::kGroup * row_bytes, row_bytes, o + g * group_bytes);
   });
   return out;
 }
@@ -225,7 +228,7 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
         const Part& p = parts[task.part];
         float* out = yp + m0 * n_total + p.offset + task.row;
         if (p.packed) {
-          const int64_t group_bytes = kvp::kGroup * p.row_bytes;
+          const int64_t group_bytes = kvp::group_bytes(p.type, k);
           t->packed_dot(p.type, p.raw + task.row / kvp::kGroup * group_bytes, group_bytes,
                         task.rows / kvp::kGroup, &block, mb, out, n_total);
         } else {

@@ -6,12 +6,15 @@
 // output row per 32-bit lane. A unit's 8 rows are multiplied with no horizontal sums and
 // no shuffles, and each weight byte loaded serves every activation row of the pass.
 //
-// Per group of 8 rows and per block (fp16 fields as in the file):
+// Per group of 8 rows and per block (fp16 fields as in the file; scales [unit][row], so
+// a unit's 8 scales are one load):
 //   Q4_0 (144 B):  d[8] | nibbles[128]
 //   Q4_1 (160 B):  d[8] | m[8] | nibbles[128]
 //   Q8_0 (272 B):  d[8] | q[256]                      (signed, as in the file)
-//   Q4_K (1152 B): d[8] | dmin[8] | scales[8][12] | 8 units x nibbles[128]
-//   Q6_K (1680 B): d[8] | scales[8][16] | 8 units x (nibbles[128] | high bits[64])
+//   Q4_K (1184 B): d[8] | dmin[8] | sc[8][8] | m[8][8] | 8 units x nibbles[128]
+//                  (the 6-bit scales and mins unpacked to a byte each: 32 bytes more
+//                  per 8 blocks, 2.8%, the only layout not the file's size)
+//   Q6_K (1680 B): d[8] | sc[16][8] (int8) | 8 units x (nibbles[128] | high bits[64])
 // nibbles[128], 4 vectors t: byte 32 t + 4 r + i = value 8 t + i of row r (low nibble)
 //   and value 8 t + 4 + i (high nibble).
 // q[256], 8 vectors j: byte 32 j + 4 r + i = value 4 j + i of row r.
@@ -32,16 +35,21 @@ static inline bool packable(int t) {
   return t == kQ4_0 || t == kQ4_1 || t == kQ8_0 || t == kQ4_K || t == kQ6_K;
 }
 
-// Offset of a format's values in its file block, and of its packed header.
+// Bytes of a packed group-block's header, and of the group-block.
 static inline int header_bytes(int t) {
   switch (t) {
     case kQ4_0: case kQ8_0: return 16;
     case kQ4_1: return 32;
-    case kQ4_K: return 16 + 16 + 96;
+    case kQ4_K: return 16 + 16 + 64 + 64;
     case kQ6_K: return 16 + 128;
     default: return 0;
   }
 }
+static inline int64_t group_block_bytes(int t) {
+  return t == kQ4_K ? 8 * 144 + 32 : 8 * (int64_t)block_bytes(t);
+}
+// Bytes of one packed group of 8 rows of k values.
+static inline int64_t group_bytes(int t, int64_t k) { return k / block_elems(t) * group_block_bytes(t); }
 
 // Value e (0..31) of unit j of a file block, as the unsigned (Q4_0, Q4_1, Q4_K: 0..15;
 // Q6_K: 0..63) or signed (Q8_0) integer the format stores.
@@ -63,12 +71,12 @@ static inline int unit_value(int t, const uint8_t* b, int j, int e) {
 
 static inline int units_per_block(int t) { return block_elems(t) / 32; }
 
-// Repack rows [8 g, 8 g + 8) (file blocks, row_bytes apart) into one group (8 * row_bytes).
+// Repack rows [8 g, 8 g + 8) (file blocks, row_bytes apart) into one group.
 static inline void pack_group(int t, const uint8_t* rows, int64_t row_bytes, uint8_t* out) {
   const int bb = block_bytes(t), units = units_per_block(t);
   const int64_t blocks = row_bytes / bb;
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    uint8_t* o = out + blk * kGroup * bb;
+    uint8_t* o = out + blk * group_block_bytes(t);
     const uint8_t* src[kGroup];
     for (int r = 0; r < kGroup; ++r) src[r] = rows + r * row_bytes + blk * bb;
     // headers
@@ -79,9 +87,12 @@ static inline void pack_group(int t, const uint8_t* rows, int64_t row_bytes, uin
         case kQ4_K:
           memcpy(o + 2 * r, src[r], 2);
           memcpy(o + 16 + 2 * r, src[r] + 2, 2);
-          memcpy(o + 32 + 12 * r, src[r] + 4, 12);
+          for (int j = 0; j < 8; ++j) scale_min_k4(j, src[r] + 4, o + 32 + 8 * j + r, o + 96 + 8 * j + r);
           break;
-        case kQ6_K: memcpy(o + 2 * r, src[r] + 208, 2); memcpy(o + 16 + 16 * r, src[r] + 192, 16); break;
+        case kQ6_K:
+          memcpy(o + 2 * r, src[r] + 208, 2);
+          for (int g = 0; g < 16; ++g) o[16 + 8 * g + r] = src[r][192 + g];
+          break;
         default: break;
       }
     }
@@ -134,9 +145,9 @@ static inline int packed_value(int t, const uint8_t* o, int j, int r, int e) {
 
 // Row r (0..7) of a packed group, k values, dequantized.
 static inline void dequantize_packed_row(int t, const uint8_t* group, int64_t k, int r, float* y) {
-  const int bb = block_bytes(t), be = block_elems(t), units = units_per_block(t);
+  const int be = block_elems(t), units = units_per_block(t);
   for (int64_t blk = 0; blk < k / be; ++blk) {
-    const uint8_t* o = group + blk * kGroup * bb;
+    const uint8_t* o = group + blk * group_block_bytes(t);
     float* out = y + blk * be;
     const float d = read_fp16(o + 2 * r);
     if (t == kQ4_0 || t == kQ4_1 || t == kQ8_0) {
@@ -148,16 +159,17 @@ static inline void dequantize_packed_row(int t, const uint8_t* group, int64_t k,
     } else if (t == kQ4_K) {
       const float dmin = read_fp16(o + 16 + 2 * r);
       for (int j = 0; j < units; ++j) {
-        uint8_t sc, m;
-        scale_min_k4(j, o + 32 + 12 * r, &sc, &m);
+        const uint8_t sc = o[32 + 8 * j + r], m = o[96 + 8 * j + r];
         for (int e = 0; e < 32; ++e) out[32 * j + e] = d * sc * packed_value(t, o, j, r, e) - dmin * m;
       }
-    } else {  // Q6_K: unit j = 4 n + i holds values 128 n + 32 i + l, scale sc[8 n + l / 16 + 2 i]
-      const int8_t* sc = (const int8_t*)(o + 16 + 16 * r);
+    } else {  // Q6_K: unit j = 4 n + i holds values 128 n + 32 i + l, scale 8 n + l / 16 + 2 i
+      const int8_t* sc = (const int8_t*)(o + 16);
       for (int j = 0; j < units; ++j) {
         const int n = j >> 2, i = j & 3;
-        for (int e = 0; e < 32; ++e)
-          out[128 * n + 32 * i + e] = d * sc[8 * n + e / 16 + 2 * i] * (packed_value(t, o, j, r, e) - 32);
+        for (int e = 0; e < 32; ++e) {
+          const int g = 8 * n + e / 16 + 2 * i;
+          out[128 * n + 32 * i + e] = d * sc[8 * g + r] * (packed_value(t, o, j, r, e) - 32);
+        }
       }
     }
   }
