@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -43,6 +44,8 @@ def _bench(args: argparse.Namespace) -> int:
         )
         return 0
     if args.what == "model":
+        if args.batches:
+            os.environ["KVPOOL_BENCH_BATCHES"] = ",".join(str(b) for b in args.batches)
         from kvpool.bench import model
 
         print(model.run(args.dtype, args.rounds, args.model, args.against, args.llama_cpp))
@@ -161,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--llama-cpp", default=None, metavar="DIR",
         help="model: llama.cpp's bin directory (llama-bench, llama-server); default: "
         "$KVPOOL_LLAMA_CPP or the PATH",
+    )  # fmt: skip
+    bench.add_argument(
+        "--batches", type=int, nargs="+", default=None, metavar="N",
+        help="model: decode batch sizes (default 1 8 32)",
     )  # fmt: skip
     bench.add_argument("--preset", default="llama-3.2-1b", help="synth-model: the geometry")
     bench.add_argument("--mix", default="Q4_0", help="synth-model: Q4_0, Q8_0 or Q4_K_M")

@@ -81,7 +81,7 @@ def serve(
     """Aggregate decode tokens/s at each batch size through ``llama-server`` (one slot per
     stream, a context of ``kv_tokens`` shared by the slots), and its peak memory."""
     port = _free_port()
-    slots = max(batches)
+    slots = max(batches, default=1)
     proc = subprocess.Popen(
         [str(bin_dir / "llama-server"), "-m", str(model), "-t", str(threads), "-fa", "off",
          "-np", str(slots), "-c", str(kv_tokens), "--host", "127.0.0.1", "--port", str(port),
@@ -103,7 +103,7 @@ def serve(
                 raise RuntimeError("llama-server did not become ready")
             time.sleep(0.2)
         result = {}
-        for batch in batches:
+        for batch in batches:  # (none: only the peak memory of the loaded server)
             rates = [asyncio.run(_decode_rate(url, prompts[batch], decode)) for _ in range(2)]
             result[f"decode_b{batch}_tok_s"] = max(rates)
         result["peak_rss_mib"] = _peak_rss_mib(proc.pid)

@@ -34,7 +34,8 @@ import time
 
 import kvpool
 
-BATCHES = (1, 8, 32)
+# decode batch sizes measured (``--batches``; passed to the sides' processes by env)
+BATCHES = tuple(int(b) for b in os.environ.get("KVPOOL_BENCH_BATCHES", "1,8,32").split(","))
 PROMPT = 100
 PREFILL = 512
 DECODE_STEPS = 16
@@ -187,8 +188,9 @@ def _llama_cpp_side(bin_dir, model: str | None) -> dict[str, float]:
     figures = llama_cpp.bench(bin_dir, path, threads, PREFILL, DECODE_STEPS)
     prompts = {b: _prompts(b, PROMPT, min(config.vocab_size, 40003)) for b in BATCHES}
     served = llama_cpp.serve(
-        bin_dir, path, threads, BATCHES[1:], prompts, DECODE_STEPS, kv_tokens()
-    )
+        bin_dir, path, threads, tuple(b for b in BATCHES if b > 1), prompts, DECODE_STEPS,
+        kv_tokens(),
+    )  # fmt: skip
     figures.update(served)
     figures["load_s"] = float("nan")
     return figures
