@@ -12,7 +12,8 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
 std::vector<std::string> kernel_variants();
 at::Tensor quant_dequantize(const at::Tensor& raw, int64_t qtype, int64_t k, const std::string& isa,
                             const c10::optional<at::Tensor>& rows);
-at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype);
+at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype, const c10::optional<at::Tensor>& into);
+int64_t quant_packed_bytes(int64_t qtype, int64_t rows, int64_t k);
 bool quant_packs(int64_t qtype, const std::string& isa);
 at::Tensor quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& parts,
                         const std::vector<int64_t>& types, int64_t mode, const std::string& isa);
@@ -30,7 +31,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequantize", &quant_dequantize, "rows of GGUF blocks to float32 [rows, K]",
         py::arg("raw"), py::arg("qtype"), py::arg("k"), py::arg("variant") = "",
         py::arg("rows") = py::none());
-  m.def("quant_pack", &quant_pack, "rows of GGUF blocks in the packed layout (groups of 8 rows)");
+  m.def("quant_pack", &quant_pack, "rows of GGUF blocks in the packed layout (groups of 8 rows)",
+        py::arg("raw"), py::arg("qtype"), py::arg("into") = py::none());
+  m.def("quant_packed_bytes", &quant_packed_bytes, "bytes of a matrix in the packed layout");
   m.def("quant_packs", &quant_packs, "whether these kernels multiply the packed layout of a type",
         py::arg("qtype"), py::arg("variant") = "");
   m.def("quant_matmul", &quant_matmul,

@@ -100,7 +100,7 @@ bool quant_packs(int64_t qtype, const std::string& isa) {
   return kvp::packable(static_cast<int>(qtype)) && table(isa)->has_packed_dot(static_cast<int>(qtype));
 }
 
-at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype) {
+at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype, const c10::optional<at::Tensor>& into) {
   TORCH_CHECK(kvp::packable(static_cast<int>(qtype)), "type ", qtype, " has no packed layout");
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() &&
               raw.size(0) % kvp::kGroup == 0, "raw: contiguous uint8 [rows, bytes], rows a multiple of 8");
@@ -109,7 +109,15 @@ at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype) {
   TORCH_CHECK(row_bytes % kvp::block_bytes(t) == 0, "raw: rows of whole blocks");
   const int64_t k = row_bytes / kvp::block_bytes(t) * kvp::block_elems(t);
   const int64_t group_bytes = kvp::group_bytes(t, k);
-  auto out = at::empty({raw.size(0) / kvp::kGroup, group_bytes}, raw.options());
+  at::Tensor out;
+  if (into.has_value()) {  // storage the caller gives (a huge-page mapping)
+    out = *into;
+    TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() &&
+                out.numel() == raw.size(0) / kvp::kGroup * group_bytes, "into: the packed size");
+    out = out.view({raw.size(0) / kvp::kGroup, group_bytes});
+  } else {
+    out = at::empty({raw.size(0) / kvp::kGroup, group_bytes}, raw.options());
+  }
   const uint8_t* in = raw.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
   at::parallel_for(0, out.size(0), 16, [&](int64_t begin, int64_t end) {
@@ -117,6 +125,10 @@ at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype) {
       kvp::pack_group(t, in + g * kvp::kGroup * row_bytes, row_bytes, o + g * group_bytes);
   });
   return out;
+}
+
+int64_t quant_packed_bytes(int64_t qtype, int64_t rows, int64_t k) {
+  return rows / kvp::kGroup * kvp::group_bytes(static_cast<int>(qtype), k);
 }
 
 at::Tensor quant_dequantize(const at::Tensor& raw, int64_t qtype, int64_t k, const std::string& isa,

@@ -53,8 +53,9 @@ static inline int64_t group_bytes(int t, int64_t k) { return k / block_elems(t) 
 
 // Value e (0..31) of unit j of a file block, as the unsigned (Q4_0, Q4_1, Q4_K: 0..15;
 // Q6_K: 0..63) or signed (Q8_0) integer the format stores.
-static inline int unit_value(int t, const uint8_t* b, int j, int e) {
-  switch (t) {
+template <int T>
+static inline int unit_value_t(const uint8_t* b, int j, int e) {
+  switch (T) {
     case kQ4_0: return e < 16 ? b[2 + e] & 0xF : b[2 + e - 16] >> 4;
     case kQ4_1: return e < 16 ? b[4 + e] & 0xF : b[4 + e - 16] >> 4;
     case kQ8_0: return (int8_t)b[2 + e];
@@ -71,8 +72,11 @@ static inline int unit_value(int t, const uint8_t* b, int j, int e) {
 
 static inline int units_per_block(int t) { return block_elems(t) / 32; }
 
-// Repack rows [8 g, 8 g + 8) (file blocks, row_bytes apart) into one group.
-static inline void pack_group(int t, const uint8_t* rows, int64_t row_bytes, uint8_t* out) {
+// Repack rows [8 g, 8 g + 8) (file blocks, row_bytes apart) into one group (the type a
+// template parameter, so the loops below compile to straight byte shuffles).
+template <int T>
+static inline void pack_group_t(const uint8_t* rows, int64_t row_bytes, uint8_t* out) {
+  constexpr int t = T;
   const int bb = block_bytes(t), units = units_per_block(t);
   const int64_t blocks = row_bytes / bb;
   for (int64_t blk = 0; blk < blocks; ++blk) {
@@ -102,7 +106,7 @@ static inline void pack_group(int t, const uint8_t* rows, int64_t row_bytes, uin
       uint8_t* u = body + j * unit_bytes;
       int v[kGroup][32];
       for (int r = 0; r < kGroup; ++r)
-        for (int e = 0; e < 32; ++e) v[r][e] = unit_value(t, src[r], j, e);
+        for (int e = 0; e < 32; ++e) v[r][e] = unit_value_t<T>(src[r], j, e);
       if (t == kQ8_0) {
         for (int jj = 0; jj < 8; ++jj)
           for (int r = 0; r < kGroup; ++r)
@@ -130,7 +134,18 @@ static inline void pack_group(int t, const uint8_t* rows, int64_t row_bytes, uin
   }
 }
 
-// Value e of unit j of row r in a packed group-block o, as unit_value gives it.
+static inline void pack_group(int t, const uint8_t* rows, int64_t row_bytes, uint8_t* out) {
+  switch (t) {
+    case kQ4_0: return pack_group_t<kQ4_0>(rows, row_bytes, out);
+    case kQ4_1: return pack_group_t<kQ4_1>(rows, row_bytes, out);
+    case kQ8_0: return pack_group_t<kQ8_0>(rows, row_bytes, out);
+    case kQ4_K: return pack_group_t<kQ4_K>(rows, row_bytes, out);
+    case kQ6_K: return pack_group_t<kQ6_K>(rows, row_bytes, out);
+    default: return;
+  }
+}
+
+// Value e of unit j of row r in a packed group-block o, as unit_value_t gives it.
 static inline int packed_value(int t, const uint8_t* o, int j, int r, int e) {
   const uint8_t* body = o + header_bytes(t);
   if (t == kQ8_0) return (int8_t)body[256 * j + 32 * (e / 4) + 4 * r + e % 4];
