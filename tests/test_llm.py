@@ -66,3 +66,18 @@ def test_pinned_system_prompt_survives_pressure_and_is_hit():
     assert out.cached_prompt_tokens >= pinned
     llm.unpin_prefix(system)
     assert llm.cache_stats().pinned_blocks == 0
+
+
+def test_batch_invariant_mode_uses_int8_products_at_every_size_in_float32():
+    from kvpool.model.native import native_ops
+
+    if native_ops() is None:
+        pytest.skip("the int8 products are native ops, not built here")
+    llm = LLM(dtype="float32", progress=False, batch_invariant=True, kv_cache_memory=16 * 2**20)
+    policy = llm.loaded.model.products
+    assert not policy.exact and policy.int8_max_rows is None and policy.fixed
+    assert "batch-invariant" in llm.loaded.compute_line()
+    prompts = ["The capital of France is", "One, two, three,", "Colors: red,"]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    alone = [llm.generate(p, params)[0].token_ids for p in prompts]
+    assert [out.token_ids for out in llm.generate(prompts, params)] == alone

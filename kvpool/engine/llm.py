@@ -55,8 +55,11 @@ class LLM:
         seed: int | None = None,
         progress: bool = True,
         max_queue: int | None = None,
+        batch_invariant: bool = False,
     ) -> None:
-        self.loaded = load_model(model, dtype=dtype, progress=progress)
+        self.loaded = load_model(
+            model, dtype=dtype, progress=progress, batch_invariant=batch_invariant
+        )
         self.tokenizer = self.loaded.tokenizer
         geometry = self.loaded.config.kv_geometry(self.loaded.model.dtype.itemsize)
         self.engine = Engine(

@@ -161,12 +161,19 @@ def load_model(
     dtype: str | None = None,
     device: str | None = None,
     progress: bool = True,
+    batch_invariant: bool = False,
 ) -> LoadedModel:
     """Load a model by name (None: the built-in default), path or Ollama store name.
 
     On the CPU with the native ops built, quantized matrices stay in their GGUF blocks
     (``QuantLinear``): float products from dequantized tiles when ``dtype`` is
-    ``float32`` (the exact reference), int8 products otherwise."""
+    ``float32`` (the exact reference), int8 products otherwise, handing over to
+    dequantized tiles for the step sizes where those measure faster.
+
+    ``batch_invariant``: int8 products at every step size, in any dtype (float32
+    included), so that no output depends on what else is in the batch (each row's
+    products are computed alone, in a fixed order). It costs the tiles' speed on large
+    steps where a CPU has it, and float32's exact products."""
     path = resolve_model_path(name)
     dev = choose_device(device)
     torch_dtype = choose_dtype(dtype, dev)
@@ -197,7 +204,7 @@ def load_model(
         # converted per model; the quantized matrices are shared, never copied).
         candidates = {}
         for candidate in (torch.bfloat16, torch.float32):
-            policy = ProductPolicy(variant=kernel_variant())
+            policy = ProductPolicy(variant=kernel_variant(), fixed=batch_invariant)
             candidates[candidate] = LlamaModel(config, dict(weights), dev, candidate, policy)
         times = {c: float("inf") for c in candidates}
         for round_ in range(2):  # alternating: the first runs warm the caches and threads
@@ -216,13 +223,13 @@ def load_model(
             f"step vs {times[other] * 1e3:.1f} ms in {other} ({cpu_features().summary()})"
         )
     else:
-        products = ProductPolicy(
-            exact=torch_dtype == torch.float32 and dtype is not None, variant=kernel_variant()
-        )
+        exact = torch_dtype == torch.float32 and dtype is not None and not batch_invariant
+        products = ProductPolicy(exact=exact, variant=kernel_variant(), fixed=batch_invariant)
         model = LlamaModel(config, weights, dev, torch_dtype, products)
     weights.clear()
     _release_heap_memory()
-    if not model.products.exact and isinstance(model.layers[0].o, QuantLinear):
+    fixed = model.products.exact or model.products.fixed
+    if not fixed and isinstance(model.layers[0].o, QuantLinear):
         _choose_crossover(model.products, model, torch_dtype)
     loaded = LoadedModel(
         path, config, model, tokenizer, time.perf_counter() - start, native_seconds, choice

@@ -40,6 +40,7 @@ class ProductPolicy:
     int8_max_rows: int | None = None
     tiles: int = FLOAT
     variant: str = ""  # the kernels' instruction set ("": the fastest this CPU runs)
+    fixed: bool = False  # batch-invariant: int8 at every size, never recalibrated
 
     def mode(self, rows: int) -> int:
         if self.exact:
@@ -54,7 +55,8 @@ class ProductPolicy:
         if self.exact:
             return f"float products from dequantized tiles ({variant} kernels)"
         if self.int8_max_rows is None:
-            return f"int8 products at every step size ({variant} kernels)"
+            why = ", batch-invariant" if self.fixed else ""
+            return f"int8 products at every step size{why} ({variant} kernels)"
         tiles = "bf16" if self.tiles == BF16_TILES else "float32"
         return (
             f"int8 products up to {self.int8_max_rows} rows, {tiles} tiles above "

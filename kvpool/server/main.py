@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--policy", choices=["paged", "static"], default="paged")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="int8 products at every step size, in any dtype: no output depends "
+                        "on what else is batched")  # fmt: skip
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require this key (repeatable; these keys are admins)")  # fmt: skip
     p.add_argument("--keys-file", type=Path, default=None,
@@ -83,6 +86,7 @@ def serve(args: argparse.Namespace) -> int:
             policy=args.policy,
             progress=not args.quiet,
             max_queue=args.max_queue,
+            batch_invariant=args.batch_invariant,
         )
     except (ModelNotFound, ValueError, OSError) as exc:
         print(f"kvpool: {exc}", file=sys.stderr)
