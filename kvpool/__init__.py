@@ -11,10 +11,10 @@ from typing import Any
 # here, before any kvpool module imports torch, unless the user chose a wait policy.
 # Between parallel regions a worker thread spins this many times before it sleeps: long
 # enough to stay awake across the back-to-back products of one model step (waking a
-# sleeping worker, as OMP_WAIT_POLICY=PASSIVE always does, measured: decode at batch 1
-# 19.2 -> 13.2 ms a step), short enough to sleep right after a step. libgomp's default
-# (300,000) keeps spinning long enough to fight other work for the cores; when other
-# work is there anyway, the runtime measures it and runs steps on one thread
+# sleeping worker, as OMP_WAIT_POLICY=PASSIVE always does, made batch-1 decode steps
+# much slower: docs/performance.md, "Threads"), short enough to sleep right after a
+# step. libgomp's default (300,000) keeps spinning long enough to fight other work for
+# the cores; when other work is there anyway, the runtime measures it and runs steps on one thread
 # (kvpool.model.threads).
 OPENMP_SPINCOUNT = "10000"
 openmp_defaults_applied = "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
@@ -22,7 +22,7 @@ if openmp_defaults_applied:
     os.environ["GOMP_SPINCOUNT"] = OPENMP_SPINCOUNT
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Engine", "EngineConfig", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -30,6 +30,14 @@ def __getattr__(name: str) -> Any:
         from kvpool.engine import llm
 
         return getattr(llm, name)
+    if name == "Engine":
+        from kvpool.engine.engine import Engine
+
+        return Engine
+    if name == "EngineConfig":
+        from kvpool.engine.config import EngineConfig
+
+        return EngineConfig
     if name == "SamplingParams":
         from kvpool.engine.sampling import SamplingParams
 

@@ -65,6 +65,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from kvpool.engine import config as engine_config
     from kvpool.engine.llm import LLM
     from kvpool.engine.sampling import SamplingParams
     from kvpool.model_store import ModelNotFound
@@ -72,23 +73,18 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         llm = LLM(
             args.model,
+            config=engine_config.from_args(args),
             dtype=args.dtype,
-            kv_cache_memory=args.kv_cache_memory * 2**20,
-            block_size=args.block_size,
             progress=not args.quiet,
         )
     except (ModelNotFound, ValueError) as exc:
         print(f"kvpool: {exc}", file=sys.stderr)
         return 2
-    pool = llm.engine.manager
     if args.quiet:  # the compute choice is said even then: one line
         print(f"kvpool: {llm.loaded.compute_line()}", file=sys.stderr)
     else:
-        print(
-            f"  KV pool: {pool.num_blocks} blocks of {pool.block_size} tokens = "
-            f"{pool.num_blocks * pool.block_size:,} token slots",
-            file=sys.stderr,
-        )
+        n, bs = llm.engine.num_blocks, llm.engine.block_size
+        print(f"  KV pool: {n} blocks of {bs} tokens = {n * bs:,} token slots", file=sys.stderr)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     start = time.perf_counter()
     if args.raw:
@@ -203,10 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _runtime_options(p: argparse.ArgumentParser) -> None:
+    from kvpool.engine import config as engine_config
+
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--kv-cache-memory", type=int, default=256, metavar="MiB")
-    p.add_argument("--block-size", type=int, default=16)
+    engine_config.add_arguments(p, serving=False)
     p.add_argument("--quiet", action="store_true")
 
 

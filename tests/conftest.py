@@ -33,6 +33,14 @@ def fp32_model(default_model_file):
 
 
 @pytest.fixture(scope="session")
+def default_tokenizer(default_model_file):
+    from kvpool.formats.gguf_header import read_gguf_header
+    from kvpool.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(read_gguf_header(default_model_file))
+
+
+@pytest.fixture(scope="session")
 def reference_model(default_model_file):
     """transformers loading the same GGUF file, fp32: the reference for exact tests."""
     torch = pytest.importorskip("torch")

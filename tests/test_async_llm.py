@@ -33,8 +33,8 @@ def test_streams_equal_the_offline_api_and_share_a_prefix_sent_at_once(llm):
     system = "You are a terse assistant. " * 8
     questions = [f"{system}Question {i}: name a number." for i in range(8)]
     expected = [out.text for out in llm.generate(questions, GREEDY)]
-    llm.engine.manager.reset_prefix_cache()
-    engine = AsyncLLM(llm)
+    llm.engine.reset_prefix_cache()
+    engine = AsyncLLM(llm.engine)
     engine.start()
     try:
 
@@ -55,7 +55,7 @@ def test_streams_equal_the_offline_api_and_share_a_prefix_sent_at_once(llm):
 
 
 def test_leaving_the_stream_cancels_and_frees_blocks_and_errors_are_typed(llm):
-    engine = AsyncLLM(llm)
+    engine = AsyncLLM(llm.engine)
     engine.start()
     try:
 
@@ -92,7 +92,7 @@ def test_leaving_the_stream_cancels_and_frees_blocks_and_errors_are_typed(llm):
 
 
 def test_shutdown_cancels_requests_in_flight(llm):
-    engine = AsyncLLM(llm)
+    engine = AsyncLLM(llm.engine)
     engine.start()
 
     async def main():
@@ -105,4 +105,4 @@ def test_shutdown_cancels_requests_in_flight(llm):
                 pass
 
     asyncio.run(main())
-    assert llm.engine.manager.stats().used_blocks == 0
+    assert llm.engine.cache_stats().used_blocks == 0

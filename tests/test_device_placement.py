@@ -9,10 +9,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvpool.cache import KVCacheManager  # noqa: E402
-from kvpool.model.runner import ModelRunner, SeqChunk  # noqa: E402
+from tests.paged_runner import Chunk, PagedRunner  # noqa: E402
 
 
-def _forward_off_default_device(runner: ModelRunner, chunks: list[SeqChunk]) -> torch.Tensor:
+def _forward_off_default_device(runner: PagedRunner, chunks: list[Chunk]) -> torch.Tensor:
     batch = runner.build_batch(chunks)  # host-side index building is the runner's own
     with torch.device("meta"):
         return runner.model.forward(batch, runner.kv)
@@ -20,12 +20,12 @@ def _forward_off_default_device(runner: ModelRunner, chunks: list[SeqChunk]) -> 
 
 def test_prefill_and_grouped_decode_make_no_tensor_off_their_device(fp32_model):
     manager = KVCacheManager(64, 16)
-    runner = ModelRunner(fp32_model, manager, threads=None, min_shared_tokens=16)
+    runner = PagedRunner(fp32_model, manager, threads=None, min_shared_tokens=16)
     prompts = {0: list(range(3, 43)), 1: list(range(50, 67))}  # 40 and 17 tokens
     chunks = []
     for seq, prompt in prompts.items():
         manager.allocate(seq, prompt)
-        chunks.append(SeqChunk(seq, prompt, 0))
+        chunks.append(Chunk(seq, prompt, 0))
     want = runner.forward(chunks)
     got = _forward_off_default_device(runner, chunks)
     assert got.device.type == "cpu" and torch.equal(got, want)
@@ -36,7 +36,7 @@ def test_prefill_and_grouped_decode_make_no_tensor_off_their_device(fp32_model):
     chunks = []
     for seq, prompt in prompts.items():
         runner.copy_blocks(manager.append(seq, [7 + seq]))
-        chunks.append(SeqChunk(seq, [7 + seq], len(prompt)))
+        chunks.append(Chunk(seq, [7 + seq], len(prompt)))
     assert runner.build_batch(chunks).shared_prefixes  # the grouped decode path runs
     want = runner.forward(chunks)
     got = _forward_off_default_device(runner, chunks)

@@ -43,20 +43,22 @@ def metric_samples(text: str) -> dict[str, float]:
 
 
 class PoisonedForward:
-    """The runner's forward, raising once a request whose prompt holds ``POISON`` has
-    produced ``after`` tokens (so its stream has started)."""
+    """The runner's forward (the test reaches inside the engine on purpose), raising once
+    a request whose prompt holds ``POISON`` has produced ``after`` tokens (so its stream
+    has started). A chunk is a request's when it carries that request's block table."""
 
     def __init__(self, llm: LLM, after: int = 3) -> None:
         self.engine = llm.engine
         self.decode = llm.tokenizer.decode
-        self.forward = llm.engine.runner.forward
+        self.forward = llm.engine._runner.forward
         self.after = after
-        llm.engine.runner.forward = self  # type: ignore[method-assign]
+        llm.engine._runner.forward = self  # type: ignore[method-assign]
 
     def __call__(self, chunks, **kw):
-        by_seq = {r.seq_id: r for r in self.engine.scheduler.running}
+        manager = self.engine._manager
+        by_table = {tuple(manager.block_table(r.seq_id)): r for r in self.engine._scheduler.running}
         for chunk in chunks:
-            request = by_seq.get(chunk.seq_id)
+            request = by_table.get(tuple(chunk.block_table))
             if (
                 request is not None
                 and len(request.output_ids) >= self.after
@@ -66,7 +68,7 @@ class PoisonedForward:
         return self.forward(chunks, **kw)
 
     def remove(self) -> None:
-        self.engine.runner.forward = self.forward  # type: ignore[method-assign]
+        self.engine._runner.forward = self.forward  # type: ignore[method-assign]
 
 
 def test_a_fault_ends_one_request_in_its_apis_shape_and_the_others_finish_exactly(llm):
@@ -138,8 +140,8 @@ def test_a_fault_ends_one_request_in_its_apis_shape_and_the_others_finish_exactl
             json={"model": MODEL, "prompt": poisoned, "max_tokens": 12, "ignore_eos": True},
             timeout=120,
         )
-        wait_for(lambda: server.model.engine.snapshot.running == 0)
-        after = server.model.engine.snapshot
+        wait_for(lambda: server.model.snapshot.running == 0)
+        after = server.model.snapshot
         metrics = metric_samples(httpx.get(f"{url}/metrics").text)
     finally:
         fault.remove()
@@ -170,11 +172,11 @@ class HeldStep:
 
     def __init__(self, llm: LLM) -> None:
         self.engine = llm.engine
-        self.forward = llm.engine.runner.forward
+        self.forward = llm.engine._runner.forward
         self.hold = threading.Event()
         self.hold.set()
         self.inside = threading.Event()
-        llm.engine.runner.forward = self  # type: ignore[method-assign]
+        llm.engine._runner.forward = self  # type: ignore[method-assign]
 
     def __call__(self, chunks, **kw):
         if not self.hold.is_set():
@@ -184,7 +186,7 @@ class HeldStep:
 
     def remove(self) -> None:
         self.hold.set()
-        self.engine.runner.forward = self.forward  # type: ignore[method-assign]
+        self.engine._runner.forward = self.forward  # type: ignore[method-assign]
 
 
 def test_admin_routes_answer_inside_a_step_and_disconnects_end_waiting_requests_at_once(llm):
@@ -236,11 +238,11 @@ def test_admin_routes_answer_inside_a_step_and_disconnects_end_waiting_requests_
                 timeout=30,
             )
             assert held.inside.is_set() and not held.hold.is_set()
-            admitted = server.model.engine.snapshot.tenants[None].admitted
+            admitted = server.model.snapshot.tenants[None].admitted
             held.hold.set()
             # at the next step boundary the 20 leave the queue, never admitted
             wait_for(lambda: httpx.get(f"{url}/api/kvcache").json()["waiting"] == 0)
-            assert server.model.engine.snapshot.tenants[None].admitted == admitted
+            assert server.model.snapshot.tenants[None].admitted == admitted
         wait_for(lambda: httpx.get(f"{url}/api/kvcache").json()["used_blocks"] == 0)
         counted = metric_samples(httpx.get(f"{url}/metrics").text)
         cancelled = 'kvpool_requests_total{api="ollama",finish_reason="cancelled",tenant=""}'
@@ -267,11 +269,12 @@ def test_tenants_are_admitted_in_turn_over_http(llm):
     engine = llm.engine
     add = engine.add_request
 
-    def recording_add(*args, **kw):
-        request = add(*args, **kw)
+    def recording_add(*args, **kw):  # (reads the engine's requests: a test's look inside)
+        request_id = add(*args, **kw)
+        request = engine._requests[request_id][0]
         waiting_a = [r for r, _ in added if r.salt == "tenant:a" and r.admitted < 0]
         added.append((request, waiting_a))
-        return request
+        return request_id
 
     engine.add_request = recording_add  # type: ignore[method-assign]
     server = InProcessServer(llm, keys=keyring())
@@ -295,8 +298,8 @@ def test_tenants_are_admitted_in_turn_over_http(llm):
             await asyncio.to_thread(
                 wait_for,
                 lambda: (
-                    server.model.engine.snapshot.tenants.get("tenant:a") is not None
-                    and server.model.engine.snapshot.tenants["tenant:a"].waiting >= 20
+                    server.model.snapshot.tenants.get("tenant:a") is not None
+                    and server.model.snapshot.tenants["tenant:a"].waiting >= 20
                 ),
             )
             single = await ask("key-b", 99)
@@ -313,7 +316,7 @@ def test_tenants_are_admitted_in_turn_over_http(llm):
 
 
 def test_tenants_see_their_own_counters_and_pins_and_share_the_pin_budget(llm):
-    llm.engine.manager.reset_prefix_cache(unpin=True)
+    llm.engine.reset_prefix_cache(unpin=True)
     server = InProcessServer(llm, keys=keyring(), tenant_pin_share=0.25)
     url = server.url
     key = {name: {"authorization": f"Bearer key-{name}"} for name in ("a", "b", "admin")}
@@ -400,7 +403,8 @@ def test_tenants_see_their_own_counters_and_pins_and_share_the_pin_budget(llm):
 
 def test_a_full_queue_answers_503_with_retry_after(llm):
     held = HeldStep(llm)
-    llm.engine.max_queue = 2
+    config = llm.engine.config
+    llm.engine.config = config.replace(max_queue=2)  # the bound is read per request
     server = InProcessServer(llm, max_queue=2)
     url = server.url
     body = {"model": MODEL, "prompt": "Hello", "stream": True, "options": {"num_predict": 4}}
@@ -420,6 +424,6 @@ def test_a_full_queue_answers_503_with_retry_after(llm):
                 assert "2 requests are waiting" in full.json()["error"]["message"]
                 held.hold.set()
     finally:
-        llm.engine.max_queue = None
+        llm.engine.config = config
         held.remove()
         server.stop()

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvpool.cache import KVCacheManager  # noqa: E402
-from kvpool.model.runner import ModelRunner, SeqChunk  # noqa: E402
+from tests.paged_runner import Chunk, PagedRunner  # noqa: E402
 
 CHAT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018,
         411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2,
@@ -41,14 +41,14 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def greedy(runner: ModelRunner, seqs: dict[str, list[int]], n: int) -> dict[str, list[int]]:
+def greedy(runner: PagedRunner, seqs: dict[str, list[int]], n: int) -> dict[str, list[int]]:
     """Greedy decoding of several sequences batched together, prompt hits honoured."""
     manager = runner.manager
     chunks = []
     for seq_id, prompt in seqs.items():
         alloc = manager.allocate(seq_id, prompt)
         start = alloc.num_cached_tokens
-        chunks.append(SeqChunk(seq_id, prompt[start:], start))
+        chunks.append(Chunk(seq_id, prompt[start:], start))
     logits = runner.forward(chunks)
     out: dict[str, list[int]] = {s: [] for s in seqs}
     for _ in range(n):
@@ -58,7 +58,7 @@ def greedy(runner: ModelRunner, seqs: dict[str, list[int]], n: int) -> dict[str,
             out[seq_id].append(token)
             start = manager.num_tokens(seq_id)
             runner.copy_blocks(manager.append(seq_id, [token]))
-            chunks.append(SeqChunk(seq_id, [token], start))
+            chunks.append(Chunk(seq_id, [token], start))
         logits = runner.forward(chunks)
     return out
 
@@ -68,15 +68,15 @@ def expected(reference_model):
     return [reference_greedy(reference_model, p, NEW_TOKENS) for p in _prompts()]
 
 
-def make_runner(model, num_blocks: int = 600, block_size: int = 16) -> ModelRunner:
-    return ModelRunner(model, KVCacheManager(num_blocks, block_size))
+def make_runner(model, num_blocks: int = 600, block_size: int = 16) -> PagedRunner:
+    return PagedRunner(model, KVCacheManager(num_blocks, block_size))
 
 
 def test_logits_match_reference(fp32_model, reference_model):
     prompt = _prompts()[4]  # 64 random tokens
     runner = make_runner(fp32_model)
     runner.manager.allocate("a", prompt)
-    ours = runner.forward([SeqChunk("a", prompt, 0)], all_logits=True)
+    ours = runner.forward([Chunk("a", prompt, 0)], all_logits=True)
     with torch.inference_mode():
         ref = reference_model(torch.tensor([prompt])).logits[0].float()
     assert (ours - ref).abs().max().item() < 1e-3
@@ -123,7 +123,7 @@ def test_forked_sequences_copy_on_write_and_match_separate_runs(fp32_model):
     runner = make_runner(fp32_model)
     manager = runner.manager
     manager.allocate("p", prompt)
-    runner.forward([SeqChunk("p", prompt, 0)])
+    runner.forward([Chunk("p", prompt, 0)])
     manager.fork("p", "c")
     assert manager.stats().shared_blocks == 9
     heads = {"p": 504, "c": 3575}
@@ -131,7 +131,7 @@ def test_forked_sequences_copy_on_write_and_match_separate_runs(fp32_model):
     for seq, token in heads.items():
         copies = manager.append(seq, [token])
         runner.copy_blocks(copies)
-        chunks.append(SeqChunk(seq, [token], len(prompt)))
+        chunks.append(Chunk(seq, [token], len(prompt)))
     assert manager.stats().cow_copies == 1 and manager.stats().shared_blocks == 8
     logits = runner.forward(chunks)
     out = {seq: [int(row.argmax())] for seq, row in zip(heads, logits, strict=True)}
@@ -140,7 +140,7 @@ def test_forked_sequences_copy_on_write_and_match_separate_runs(fp32_model):
         for seq in heads:
             position = manager.num_tokens(seq)
             manager.append(seq, [out[seq][-1]])
-            chunks.append(SeqChunk(seq, [out[seq][-1]], position))
+            chunks.append(Chunk(seq, [out[seq][-1]], position))
         logits = runner.forward(chunks)
         for seq, row in zip(heads, logits, strict=True):
             out[seq].append(int(row.argmax()))

@@ -17,7 +17,7 @@ from kvpool.cache import KVCacheManager  # noqa: E402
 from kvpool.model.cpu import cpu_features  # noqa: E402
 from kvpool.model.kv_store import PagedKVStore  # noqa: E402
 from kvpool.model.native import native_ops, paged_decode_attention  # noqa: E402
-from kvpool.model.runner import ModelRunner, SeqChunk  # noqa: E402
+from tests.paged_runner import Chunk, PagedRunner  # noqa: E402
 
 native = paged_decode_attention()
 ops = native_ops()
@@ -71,15 +71,15 @@ def test_op_matches_a_plain_softmax_over_each_sequence(dtype, head_dim, block_si
 def test_decode_steps_equal_the_torch_path(fp32_model):
     rng = random.Random(3)
     manager = KVCacheManager(128, 16)
-    runner = ModelRunner(fp32_model, manager, threads=None)
+    runner = PagedRunner(fp32_model, manager, threads=None)
     prompts = [[rng.randrange(3, 49000) for _ in range(n)] for n in (5, 16, 33, 200)]
     for seq, prompt in enumerate(prompts):
         manager.allocate(seq, prompt)
-        runner.forward([SeqChunk(seq, prompt, 0)])
+        runner.forward([Chunk(seq, prompt, 0)])
     chunks = []
     for seq, prompt in enumerate(prompts):
         manager.append(seq, [11 + seq])
-        chunks.append(SeqChunk(seq, [11 + seq], len(prompt)))
+        chunks.append(Chunk(seq, [11 + seq], len(prompt)))
     assert fp32_model.native_decode is native
     with_native = runner.forward(chunks)
     fp32_model.native_decode = None
@@ -177,14 +177,14 @@ def _prefill_and_decode(model, fused):
     model.native_fused = fused
     try:
         manager = KVCacheManager(64, 16)
-        runner = ModelRunner(model, manager, threads=None)
+        runner = PagedRunner(model, manager, threads=None)
         for seq, prompt in enumerate(prompts):
             manager.allocate(seq, prompt)
-        prefill = runner.forward([SeqChunk(s, p, 0) for s, p in enumerate(prompts)])
+        prefill = runner.forward([Chunk(s, p, 0) for s, p in enumerate(prompts)])
         chunks = []
         for seq, prompt in enumerate(prompts):
             manager.append(seq, [7 + seq])
-            chunks.append(SeqChunk(seq, [7 + seq], len(prompt)))
+            chunks.append(Chunk(seq, [7 + seq], len(prompt)))
         return prefill, runner.forward(chunks)
     finally:
         model.native_fused = ops
@@ -258,14 +258,14 @@ def test_mixed_steps_attend_decode_tokens_natively(request, model_name, monkeypa
     monkeypatch.setattr(model, "native_decode", spy)
 
     def decode_logits(with_prefill: bool) -> torch.Tensor:
-        runner = ModelRunner(model, KVCacheManager(64, 16), threads=None)
+        runner = PagedRunner(model, KVCacheManager(64, 16), threads=None)
         runner.manager.allocate(0, a)
-        runner.forward([SeqChunk(0, a, 0)])
+        runner.forward([Chunk(0, a, 0)])
         runner.manager.append(0, [5])
-        chunks = [SeqChunk(0, [5], len(a))]
+        chunks = [Chunk(0, [5], len(a))]
         if with_prefill:
             runner.manager.allocate(1, b)
-            chunks.append(SeqChunk(1, b, 0))
+            chunks.append(Chunk(1, b, 0))
             assert runner.build_batch(chunks).decode is not None
         calls.clear()
         logits = runner.forward(chunks)[0].float()

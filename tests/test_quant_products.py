@@ -112,7 +112,7 @@ def test_int8_products_on_the_default_model_stay_near_the_float_ones(default_mod
     from kvpool.model.gguf_weights import load_gguf_weights
     from kvpool.model.llama import LlamaModel
     from kvpool.model.products import ProductPolicy
-    from kvpool.model.runner import ModelRunner, SeqChunk
+    from tests.paged_runner import Chunk, PagedRunner
     from tests.test_model_reference import _prompts
 
     models = {}
@@ -122,9 +122,9 @@ def test_int8_products_on_the_default_model_stay_near_the_float_ones(default_mod
     for prompt in _prompts()[:4]:
         logits = {}
         for name, model in models.items():
-            runner = ModelRunner(model, KVCacheManager(64, 16), threads=None)
+            runner = PagedRunner(model, KVCacheManager(64, 16), threads=None)
             runner.manager.allocate(0, prompt)
-            logits[name] = runner.forward([SeqChunk(0, prompt, 0)], all_logits=True)
+            logits[name] = runner.forward([Chunk(0, prompt, 0)], all_logits=True)
         diff = (logits["int8"] - logits["float"]).abs()
         agree = (logits["int8"].argmax(-1) == logits["float"].argmax(-1)).float().mean()
         assert diff.mean().item() < 0.6 and agree.item() >= 0.9

@@ -17,7 +17,7 @@ from kvpool.model.gguf_weights import (  # noqa: E402
     load_gguf_weights,
 )
 from kvpool.model.llama import LlamaModel  # noqa: E402
-from kvpool.model.runner import ModelRunner, SeqChunk  # noqa: E402
+from tests.paged_runner import Chunk, PagedRunner  # noqa: E402
 from tests.synthetic_gguf import write_model  # noqa: E402
 
 MIXES = {
@@ -51,11 +51,11 @@ def _native():
 
 
 def _logits(model, prompt: list[int]) -> torch.Tensor:
-    runner = ModelRunner(model, KVCacheManager(32, 16))
+    runner = PagedRunner(model, KVCacheManager(32, 16))
     runner.manager.allocate("s", prompt[:-1])
-    prefill = runner.forward([SeqChunk("s", prompt[:-1], 0)], all_logits=True)
+    prefill = runner.forward([Chunk("s", prompt[:-1], 0)], all_logits=True)
     runner.manager.append("s", prompt[-1:])
-    decode = runner.forward([SeqChunk("s", prompt[-1:], len(prompt) - 1)])
+    decode = runner.forward([Chunk("s", prompt[-1:], len(prompt) - 1)])
     return torch.cat([prefill, decode])
 
 
@@ -135,13 +135,13 @@ def test_llama3_rope_scaling_matches_reference(tmp_path: Path):
     reference.load_state_dict(plain.state_dict())
 
     config_ours, weights = load_gguf_weights(path)
-    runner = ModelRunner(
+    runner = PagedRunner(
         LlamaModel(config_ours, weights, torch.device("cpu"), torch.float32),
         KVCacheManager(32, 16),
     )
     prompt = [(11 * i + 5) % 500 for i in range(120)]
     runner.manager.allocate("s", prompt)
-    ours = runner.forward([SeqChunk("s", prompt, 0)], all_logits=True)
+    ours = runner.forward([Chunk("s", prompt, 0)], all_logits=True)
     with torch.inference_mode():
         want = reference(torch.tensor([prompt])).logits[0].float()
         unscaled = plain(torch.tensor([prompt])).logits[0].float()

@@ -74,7 +74,7 @@ def test_modes_give_bit_identical_logits(fp32_model):
     one thread or several."""
     torch = pytest.importorskip("torch")
     from kvpool.cache import KVCacheManager
-    from kvpool.model.runner import ModelRunner, SeqChunk
+    from tests.paged_runner import Chunk, PagedRunner
 
     class Fixed(ThreadPolicy):
         mode = Mode.ONE
@@ -83,15 +83,15 @@ def test_modes_give_bit_identical_logits(fp32_model):
             return self.mode
 
     policy = Fixed(2)
-    runner = ModelRunner(fp32_model, KVCacheManager(128, 16), threads=policy)
+    runner = PagedRunner(fp32_model, KVCacheManager(128, 16), threads=policy)
     prompts = [[(7 * i + 31 * b) % 40000 + 3 for i in range(40 + 9 * b)] for b in range(8)]
     for b, p in enumerate(prompts):
         runner.manager.allocate(b, p)
     results = {}
     for mode in Mode:
         policy.mode = mode
-        prefill = runner.forward([SeqChunk(b, p[:-1], 0) for b, p in enumerate(prompts)])
-        decode = runner.forward([SeqChunk(b, p[-1:], len(p) - 1) for b, p in enumerate(prompts)])
+        prefill = runner.forward([Chunk(b, p[:-1], 0) for b, p in enumerate(prompts)])
+        decode = runner.forward([Chunk(b, p[-1:], len(p) - 1) for b, p in enumerate(prompts)])
         results[mode] = (prefill, decode)
     for mode in (Mode.SPLIT, Mode.ALL):
         assert all(torch.equal(a, b) for a, b in zip(results[Mode.ONE], results[mode], strict=True))

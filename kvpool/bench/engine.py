@@ -26,8 +26,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from kvpool.cache import Policy
+from kvpool.engine.config import EngineConfig
 from kvpool.engine.engine import Engine
-from kvpool.engine.request import Request
 from kvpool.engine.sampling import SamplingParams
 from kvpool.model.loader import LoadedModel, load_model
 
@@ -92,15 +93,14 @@ CONFIGS = (
 
 
 def _engine(loaded: LoadedModel, policy: str, prefix: bool, num_blocks: int, bs: int) -> Engine:
-    return Engine(
-        loaded.model,
+    config = EngineConfig(
         num_blocks=num_blocks,
         block_size=bs,
         enable_prefix_caching=prefix,
-        policy=policy,
-        stop_ids=loaded.tokenizer.stop_ids,
+        policy=Policy(policy),
         seed=0,
     )
+    return Engine(loaded.model, config, tokenizer=loaded.tokenizer)
 
 
 def run_one(loaded: LoadedModel, w: Workload, label: str, policy: str, prefix: bool,
@@ -109,13 +109,16 @@ def run_one(loaded: LoadedModel, w: Workload, label: str, policy: str, prefix: b
     start = time.perf_counter()
     sent: dict[str, float] = {}
     first: dict[str, float] = {}
-    done: list[Request] = []
+    tokens: dict[str, list[int]] = {}  # request id -> prompt, then its output so far
+    prompt_tokens = output_tokens = cached = 0
     next_turn: dict[str, tuple[int, int]] = {}  # request id -> (conversation, turn)
 
     def send(conv: int, turn: int, history: list[int]) -> None:
-        r = engine.add_request(history + w.conversations[conv][turn], w.params)
-        sent[r.request_id] = time.perf_counter()
-        next_turn[r.request_id] = (conv, turn + 1)
+        prompt = history + w.conversations[conv][turn]
+        rid = engine.add_request(prompt, w.params)
+        sent[rid] = time.perf_counter()
+        tokens[rid] = prompt
+        next_turn[rid] = (conv, turn + 1)
 
     for c in range(len(w.conversations)):
         send(c, 0, [])
@@ -123,32 +126,35 @@ def run_one(loaded: LoadedModel, w: Workload, label: str, policy: str, prefix: b
     waste = 0.0
     series: list[tuple[float, int, int, int]] = []
     while engine.has_work():
-        for r in engine.step():
-            if r.output_ids and r.request_id not in first:
-                first[r.request_id] = time.perf_counter() - sent[r.request_id]
-            if r.finish_reason is not None:
-                done.append(r)
-                conv, turn = next_turn.pop(r.request_id)
+        for out in engine.step():
+            rid = out.request_id
+            if out.token_ids and rid not in first:
+                first[rid] = time.perf_counter() - sent[rid]
+            tokens[rid] += out.token_ids
+            if out.finished:
+                prompt_tokens += out.prompt_tokens
+                output_tokens += out.completion_tokens
+                cached += out.cached_prompt_tokens
+                conv, turn = next_turn.pop(rid)
+                history = tokens.pop(rid)
                 if turn < len(w.conversations[conv]):
-                    send(conv, turn, r.tokens)
-        stats = engine.manager.stats()
-        running = len(engine.scheduler.running)
+                    send(conv, turn, history)
+        snap = engine.snapshot()
+        stats = snap.cache
         series.append(
-            (time.perf_counter() - start, running, stats.used_blocks, stats.cached_blocks)
+            (time.perf_counter() - start, snap.running, stats.used_blocks, stats.cached_blocks)
         )
         peak = max(peak, stats.used_blocks)
-        max_running = max(max_running, len(engine.scheduler.running))
+        max_running = max(max_running, snap.running)
         if stats.used_blocks:
             waste += stats.waste_slots_internal / (stats.used_blocks * block_size)
             steps += 1
     wall = time.perf_counter() - start
     ttft = sorted(first.values())
-    cached = sum(r.cached_prompt_tokens for r in done)
     return Row(
-        w.name, label, wall, sum(len(r.output_ids) for r in done) / wall,
-        sum(len(r.prompt_ids) for r in done) - cached, cached,
+        w.name, label, wall, output_tokens / wall, prompt_tokens - cached, cached,
         statistics.median(ttft), ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
-        peak, max_running, engine.scheduler.preemptions, waste / max(steps, 1), series,
+        peak, max_running, engine.snapshot().preemptions, waste / max(steps, 1), series,
     )  # fmt: skip
 
 
@@ -193,7 +199,6 @@ def prefix_length(
             engine = _engine(loaded, "paged", True, num_blocks, block_size)
             cold.append(ttft(engine, prompt))  # nothing cached yet
             engine.generate([prefix + [7] * 16], one)  # another request with the prefix
-            engine.scheduler.expected_output = 0.0
             warm.append(ttft(engine, prompt))
         c, w = statistics.median(cold), statistics.median(warm)
         lines.append(f"{length:>14}{c:>13.1f}{w:>11.1f}{c / w:>8.2f}x")

@@ -10,15 +10,15 @@ and 32 (100-token prompts, the time of the N decode steps after the first token,
 prefill is not counted: for transformers, whose ``generate()`` does both, the time of
 N+1 generated tokens minus the time of 1); peak resident memory of the process. kvpool
 prefills a batch's prompts in steps of at most the engine's default step budget
-(``MAX_BATCH_TOKENS``), as it serves them; transformers in one call, as ``generate()``
-does.
+(``EngineConfig.max_batch_tokens``), as it serves them; transformers in one call, as
+``generate()`` does.
 
 Each side runs with its own defaults: kvpool's OpenMP settings (``kvpool/__init__.py``)
 come with importing kvpool, transformers gets libgomp's (unless the user set them).
 
 The two sides alternate over several rounds (kvpool, transformers, kvpool, ...) and each
 figure is the median over rounds: the shared machines this is measured on have slow
-phases lasting tens of seconds (measured: the same decode step at 13.5 and at 19.5 ms),
+phases lasting tens of seconds (the same decode step can take 1.4x as long in one),
 and alternating lets both sides meet them alike.
 """
 
@@ -76,7 +76,8 @@ def kv_tokens() -> int:
 def _ours(dtype: str | None, model: str | None) -> dict[str, float]:
     import torch
 
-    from kvpool.engine.scheduler import MAX_BATCH_TOKENS
+    from kvpool.cache import KVCacheManager
+    from kvpool.engine.config import DEFAULTS
     from kvpool.model.loader import load_model
     from kvpool.model.runner import SeqChunk
 
@@ -85,8 +86,8 @@ def _ours(dtype: str | None, model: str | None) -> dict[str, float]:
     result = {"load_s": time.perf_counter() - t0}
     print(f"bench model: kvpool {loaded.compute_line()}", file=sys.stderr, flush=True)
     budget = kv_tokens() * loaded.kv_bytes_per_token
-    runner = loaded.make_runner(budget, 16, enable_prefix_caching=False)
-    manager = runner.manager
+    runner = loaded.make_runner(budget, 16)
+    manager = KVCacheManager(runner.kv.num_blocks, 16, enable_prefix_caching=False)
     cuda = loaded.model.device.type == "cuda"
     vocab = loaded.model.vocab_rows
 
@@ -99,9 +100,12 @@ def _ours(dtype: str | None, model: str | None) -> dict[str, float]:
         start = time.perf_counter()
         for b, p in enumerate(prompts):
             manager.allocate(b, p)
-        per_step = max(1, MAX_BATCH_TOKENS // length)  # prompts per step, as the engine
+        per_step = max(1, DEFAULTS.max_batch_tokens // length)  # prompts per step, as the engine
         logits = torch.cat([
-            runner.forward([SeqChunk(b, prompts[b], 0) for b in range(i, min(i + per_step, batch))])
+            runner.forward([
+                SeqChunk(prompts[b], 0, manager.block_table(b))
+                for b in range(i, min(i + per_step, batch))
+            ])
             for i in range(0, batch, per_step)
         ])  # fmt: skip
         sync()
@@ -111,7 +115,7 @@ def _ours(dtype: str | None, model: str | None) -> dict[str, float]:
             for b, token in enumerate(logits.argmax(-1).tolist()):  # greedy, as theirs
                 pos = manager.num_tokens(b)
                 manager.append(b, [token])
-                chunks.append(SeqChunk(b, [token], pos))
+                chunks.append(SeqChunk([token], pos, manager.block_table(b)))
             logits = runner.forward(chunks)
         sync()
         end = time.perf_counter()

@@ -16,6 +16,7 @@ from kvpool.cache.errors import (
 from kvpool.cache.geometry import KV_DTYPE_BYTES, ModelGeometry, kv_dtype_bytes
 from kvpool.cache.hashing import BlockHash, HashFn, Salt, hash_block
 from kvpool.cache.manager import Allocation, KVCacheManager, PinInfo, SeqId
+from kvpool.cache.policy import Policy
 from kvpool.cache.stats import CacheStats
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "OutOfBlocks",
     "PinInfo",
     "PinLimitExceeded",
+    "Policy",
     "Salt",
     "SeqId",
     "SequenceExists",

@@ -1,4 +1,12 @@
-"""``Engine``: the step loop joining the scheduler, the model runner and the sampler."""
+"""``Engine``: the one door into continuous batching on one model and one block pool.
+
+Requests go in through ``add_request`` (and ``pin_prefix``), leave through ``abort`` or
+by finishing, and every step returns what it produced: ``step() -> list[RequestOutput]``,
+text deltas and finish reasons made inside the step by one ``OutputProcessor``. The block
+manager, the scheduler and the shared-prefix set are private to this module and
+``scheduler.py``; ``snapshot()`` is how anything else reads them. ``LLM`` (synchronous)
+and ``AsyncLLM`` (a thread and queues) are drivers of this API and nothing more.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +14,13 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
 
-from kvpool.cache import KVCacheManager
+from kvpool.cache import CacheError, CacheStats, KVCacheManager, Policy
+from kvpool.engine.config import DEFAULTS, EngineConfig
 from kvpool.engine.errors import (
     InvalidTokens,
     PromptExceedsPool,
@@ -19,69 +28,112 @@ from kvpool.engine.errors import (
     QueueFull,
     RequestError,
 )
-from kvpool.engine.request import Request, Status
+from kvpool.engine.outputs import CompletionOutput, Completions, OutputProcessor, RequestOutput
+from kvpool.engine.request import PinOrder, Request, Status
 from kvpool.engine.sampling import Sampler, SamplingParams, seed_bits
-from kvpool.engine.scheduler import MAX_BATCH_TOKENS, Scheduler, Work
+from kvpool.engine.scheduler import Scheduler, Work
+from kvpool.engine.snapshot import EngineSnapshot, TenantSnapshot
 from kvpool.model.llama import LlamaModel
 from kvpool.model.runner import ModelRunner, SeqChunk
+from kvpool.model.tokenizer import Tokenizer
 
 log = logging.getLogger("kvpool.engine")
+
+# A pin request computes its prefix and one token, whatever the model says.
+_PIN_PARAMS = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
 class Engine:
     """Continuous batching of requests on one model and one block pool.
 
-    ``policy="static"`` is the llama.cpp/Ollama baseline: every request reserves its
-    whole context (prompt + max tokens, at most the context length) up front and nothing
-    is shared.
+    ``config`` (``EngineConfig``; keyword ``changes`` replace its fields) sizes the pool
+    and the steps. ``tokenizer`` gives outputs their text, stop strings, and the stop
+    tokens; without one, outputs carry token ids only.
 
     One request never breaks the others: its token ids are checked against the
     vocabulary before it is queued, and an exception raised while a step computes is
     traced to the request(s) that cause it by running the step's work again in halves;
-    those end with ``finish_reason == "error"`` (``request.error`` names a log id) and
-    the rest of the batch continues with the outputs a clean step gives them.
-    ``max_queue`` bounds the waiting requests (``QueueFull`` past it).
+    those end with ``finish_reason == "error"`` (``error`` names a log id) and the rest
+    of the batch continues with the outputs a clean step gives them.
+
+    Not thread-safe: one thread drives it (``check_request`` excepted).
     """
 
     def __init__(
         self,
         model: LlamaModel,
+        config: EngineConfig | None = None,
         *,
-        num_blocks: int,
-        block_size: int = 16,
-        max_batch_tokens: int = MAX_BATCH_TOKENS,
-        enable_prefix_caching: bool = True,
-        policy: str = "paged",
-        stop_ids: Iterable[int] = (),
-        seed: int | None = None,
-        max_queue: int | None = None,
+        tokenizer: Tokenizer | None = None,
+        **changes: object,
     ) -> None:
-        if policy not in ("paged", "static"):
-            raise ValueError(f"unknown policy {policy!r} (paged, static)")
-        self.policy = policy
-        manager = KVCacheManager(
-            num_blocks,
-            block_size,
-            enable_prefix_caching=enable_prefix_caching and policy == "paged",
-            geometry=model.config.kv_geometry(model.dtype.itemsize),
+        config = (config or DEFAULTS).replace(**changes) if changes else (config or DEFAULTS)
+        compute = str(model.dtype).removeprefix("torch.")
+        if config.kv_cache_dtype not in ("auto", compute):
+            raise ValueError(
+                f"KV blocks are held in the compute dtype ({compute}) for now; "
+                f"kv_cache_dtype {config.kv_cache_dtype!r} is not supported"
+            )
+        self.config = config
+        geometry = model.config.kv_geometry(model.dtype.itemsize)
+        num_blocks = config.num_blocks or geometry.blocks_for_budget(
+            config.kv_cache_memory, config.block_size
         )
-        self.runner = ModelRunner(model, manager)
-        self.scheduler = Scheduler(manager, max_batch_tokens=max_batch_tokens)
-        self.sampler = Sampler(seed)
-        self.stop_ids = frozenset(stop_ids)
+        self._manager = KVCacheManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.prefix_caching,
+            geometry=geometry,
+        )
+        self._runner = ModelRunner(model, num_blocks, config.block_size)
+        self._scheduler = Scheduler(
+            self._manager,
+            max_batch_tokens=config.max_batch_tokens,
+            max_running=config.max_running,
+            watermark=config.watermark,
+        )
+        self._sampler = Sampler(config.seed)
+        self._outputs = OutputProcessor(
+            tokenizer.decode if tokenizer is not None else None, self._end_at_stop_string
+        )
+        self.stop_ids = frozenset(tokenizer.stop_ids if tokenizer is not None else ())
         self.context_length = model.config.context_length
         self.vocab_size = model.vocab_rows
-        self.max_queue = max_queue
-        self.requests: dict[str, Request] = {}
+        self.kv_bytes_per_block = geometry.bytes_per_block(config.block_size)
+        # samples of each request in flight, by request id (sample 0 first)
+        self._requests: dict[str, list[Request]] = {}
         # Prefixes (pinned system prompts) that every tenant may share: a salted request
         # starting with one looks its blocks up without its salt.
-        self.shared_prefixes: set[tuple[int, ...]] = set()
+        self._shared_prefixes: set[tuple[int, ...]] = set()
+        self._pins_by_salt: dict[str | None, tuple[int, int]] = {}  # pins, pinned blocks
         self._ids = itertools.count()
+        self._steps = 0
+
+    # -- what it is ----------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self._manager.num_blocks
 
     @property
-    def manager(self) -> KVCacheManager:
-        return self.runner.manager
+    def block_size(self) -> int:
+        return self._manager.block_size
 
+    @property
+    def max_queue(self) -> int | None:
+        return self.config.max_queue
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._scheduler.waiting)
+
+    def has_work(self) -> bool:
+        """Requests are waiting or running: ``step`` has something to do."""
+        return self._scheduler.has_work()
+
+    def cache_stats(self) -> CacheStats:
+        return self._manager.stats()
+
+    # -- requests in -------------------------------------------------------------------
     def add_request(
         self,
         prompt_ids: Sequence[int],
@@ -89,27 +141,56 @@ class Engine:
         *,
         request_id: str | None = None,
         salt: str | None = None,
+    ) -> str:
+        """Queue a request; returns its id (``request_id`` or a new one). Raises a
+        ``RequestError`` (nothing allocated): see ``check_request``; ``QueueFull`` past
+        ``max_queue`` waiting requests."""
+        return self._add(list(prompt_ids), params, request_id, salt, None).request_id
+
+    def pin_prefix(
+        self,
+        prefix_ids: Sequence[int],
+        *,
+        salt: str | None = None,
+        shared: bool = False,
+        max_salt_blocks: int | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a pin request: the prefix (a system prompt) is computed once, if it is
+        not cached, and its full blocks are pinned when it ends, in the same step, so
+        eviction never takes them. Its last ``RequestOutput`` carries ``pinned_tokens``
+        (or ``error`` where pinning was refused: ``pin_error`` has the ``CacheError``).
+        ``shared``: pinned without a salt, and salted requests that start with it share
+        its blocks. ``max_salt_blocks``: the blocks this salt's pins may hold together."""
+        order = PinOrder(shared=shared, max_salt_blocks=max_salt_blocks)
+        ids = list(prefix_ids)
+        return self._add(ids, _PIN_PARAMS, request_id, None if shared else salt, order).request_id
+
+    def _add(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        salt: str | None,
+        pin: PinOrder | None,
     ) -> Request:
-        """Queue a request. Raises a ``RequestError`` (nothing allocated): see
-        ``check_request``; ``QueueFull`` past ``max_queue`` waiting requests."""
-        prompt = list(prompt_ids)
         self.check_request(prompt, params)
-        if self.max_queue is not None and len(self.scheduler.waiting) >= self.max_queue:
-            raise self.queue_full(len(self.scheduler.waiting))
+        waiting = len(self._scheduler.waiting)
+        if self.config.max_queue is not None and waiting >= self.config.max_queue:
+            raise self.queue_full(waiting)
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.requests:
+        if request_id in self._requests:
             raise RequestError(f"request id {request_id!r} is in use")
-        reserve = self._reserve(prompt, params)
-        request = Request(request_id, prompt, params, salt, arrival=time.monotonic())
+        request = Request(request_id, prompt, params, salt, arrival=time.monotonic(), pin=pin)
         request.forks_pending = params.n - 1
-        request.siblings = [request]
-        request.reserve_tokens = reserve
+        request.reserve_tokens = self._reserve(prompt, params)
         if salt is not None:
             request.public_tokens = max(
-                (len(p) for p in self.shared_prefixes if tuple(prompt[: len(p)]) == p), default=0
+                (len(p) for p in self._shared_prefixes if tuple(prompt[: len(p)]) == p),
+                default=0,
             )
-        self.requests[request_id] = request
-        self.scheduler.add(request)
+        self._requests[request_id] = [request]
+        self._scheduler.add(request)
         return request
 
     def check_request(self, prompt: Sequence[int], params: SamplingParams) -> None:
@@ -127,25 +208,13 @@ class Engine:
                 f"{self.context_length} (prompt + output)"
             )
         reserve = self._reserve(prompt, params)
-        blocks, size = self.manager.num_blocks, self.manager.block_size
+        blocks, size = self._manager.num_blocks, self._manager.block_size
         need = -(-max(len(prompt) + 1, reserve) // size)
         if need > blocks:
             raise PromptExceedsPool(
                 f"the request needs {need} KV blocks ({max(len(prompt) + 1, reserve)} tokens "
                 f"of {size}); the whole pool holds {blocks} blocks ({blocks * size} tokens)"
             )
-
-    def queue_full(self, waiting: int) -> QueueFull:
-        return QueueFull(
-            f"the server is busy: {waiting} requests are waiting (the limit is "
-            f"{self.max_queue}); retry shortly"
-        )
-
-    def _reserve(self, prompt: Sequence[int], params: SamplingParams) -> int:
-        """Token slots taken at admission: the static policy's whole slot, else none."""
-        if self.policy != "static":
-            return 0
-        return min(self.context_length, len(prompt) + params.max_tokens)
 
     def check_tokens(self, token_ids: Sequence[int]) -> None:
         """Raise ``InvalidTokens`` unless every id is an int in ``[0, vocab_size)``."""
@@ -156,30 +225,81 @@ class Engine:
                     f"token ids must be integers in [0, {vocab}); got {token!r} at position {i}"
                 )
 
-    def cancel(self, request_id: str) -> None:
-        """Stop a request now; its blocks go back to the pool at once."""
-        request = self.requests.pop(request_id, None)
-        if request is not None and request.status is not Status.FINISHED:
-            self.scheduler.finish(request, "cancelled")
+    def queue_full(self, waiting: int) -> QueueFull:
+        return QueueFull(
+            f"the server is busy: {waiting} requests are waiting (the limit is "
+            f"{self.config.max_queue}); retry shortly"
+        )
 
-    def has_work(self) -> bool:
-        return self.scheduler.has_work()
+    def _reserve(self, prompt: Sequence[int], params: SamplingParams) -> int:
+        """Token slots taken at admission: the static policy's whole slot, else none."""
+        if self.config.policy is not Policy.STATIC:
+            return 0
+        return min(self.context_length, len(prompt) + params.max_tokens)
 
-    def step(self) -> list[Request]:
-        """Run one step; returns the requests that got a token or finished."""
-        work, rejected = self.scheduler.schedule()
-        for request in rejected:
-            self.requests.pop(request.request_id, None)
-        if self.scheduler.pending_copies:
-            self.runner.copy_blocks(self.scheduler.pending_copies)
-            self.scheduler.pending_copies = []
+    def abort(self, request_id: str) -> None:
+        """End every sample of a request now (``cancelled``); their blocks go back to the
+        pool at once. Unknown or finished ids are ignored."""
+        for sample in self._requests.pop(request_id, ()):
+            if sample.status is not Status.FINISHED:
+                self._scheduler.finish(sample, "cancelled")
+            self._outputs.forget(sample)
+
+    # -- prefixes ------------------------------------------------------------------------
+    def unpin_prefix(
+        self, prefix_ids: Sequence[int], *, salt: str | None = None, shared: bool = False
+    ) -> None:
+        """Undo ``pin_prefix`` of the same tokens (the blocks stay cached, evictable);
+        ``NotPinned`` if there is no such pin."""
+        ids = list(prefix_ids)
+        self._manager.unpin(ids, None if shared else salt)
+        if shared:
+            self._shared_prefixes.discard(tuple(ids))
+        self._pins_changed()
+
+    def reset_prefix_cache(self, *, unpin: bool = False) -> int:
+        """Drop every cached block that no request holds and no pin keeps; returns how
+        many were dropped. ``unpin``: drop every pin first."""
+        dropped = self._manager.reset_prefix_cache(unpin=unpin)
+        if unpin:
+            self._shared_prefixes.clear()
+            self._pins_changed()
+        return dropped
+
+    def _pins_changed(self) -> None:
+        """Refresh what snapshots say of pins per salt (only pin commands change it)."""
+        self._pins_by_salt = {}
+        for pin in self._manager.pins():
+            salt = pin.salt.decode() or None
+            count, _ = self._pins_by_salt.get(salt, (0, 0))
+            self._pins_by_salt[salt] = (count + 1, self._manager.pinned_blocks_of(salt))
+
+    # -- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; an output for every sample that got a token or finished."""
+        progressed = self._step()
+        self._steps += 1
+        now = time.monotonic()
+        outputs = []
+        for request in self._with_unforked(progressed):
+            pinned = self._pin_on_finish(request) if request.pin is not None else None
+            outputs.append(self._outputs.process(request, pinned, now))
+            if request.status is Status.FINISHED:
+                self._forget_if_done(request)
+        return outputs
+
+    def _step(self) -> list[Request]:
+        work, rejected = self._scheduler.schedule()
+        if self._scheduler.pending_copies:
+            self._runner.copy_blocks(self._scheduler.pending_copies)
+            self._scheduler.pending_copies = []
         if not work:
             return rejected
         logits, work, failed = self._forward_isolating(work)
         progressed = list(rejected) + failed
         if not work:
             return progressed
-        self.scheduler.after_forward(work)
+        self._scheduler.after_forward(work)
         rows: list[int] = []
         requests: list[Request] = []
         for i, w in enumerate(work):
@@ -194,16 +314,59 @@ class Engine:
             same = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
             tokens = self._sample_isolating(logits if same else logits[rows], requests)
             for request, token in zip(requests, tokens, strict=True):
-                if token is None:  # its sampling raised: it alone ends
-                    progressed.append(request)
-                    continue
-                request.tokens.append(token)
-                reason = self._finish_reason(request, token)
-                if reason:
-                    self.scheduler.finish(request, reason)
-                    self.requests.pop(request.request_id, None)
+                if token is not None:  # (None: its sampling raised, it alone ended)
+                    request.tokens.append(token)
+                    reason = self._finish_reason(request, token)
+                    if reason:
+                        self._scheduler.finish(request, reason)
                 progressed.append(request)
         return progressed
+
+    def _end_at_stop_string(self, request: Request) -> None:
+        """The output processor found a stop string: the sample ends now, as ``stop``
+        (its blocks freed, its length counted in the scheduler's expected output)."""
+        self._scheduler.finish(request, "stop")
+
+    def _forget_if_done(self, request: Request) -> None:
+        samples = self._requests.get(request.request_id)
+        if samples is not None and all(s.status is Status.FINISHED for s in samples):
+            del self._requests[request.request_id]
+
+    def _with_unforked(self, progressed: list[Request]) -> list[Request]:
+        """``progressed``, and for a request with ``n > 1`` that ended before its first
+        token (refused by the pool, failed), its other samples, ended the same way: a
+        driver waits for an output of every sample."""
+        extra = []
+        for request in progressed:
+            if request.status is Status.FINISHED and request.forks_pending:
+                for j in range(1, request.forks_pending + 1):
+                    child = self._new_sample(request, j)
+                    child.status, child.finish_reason = Status.FINISHED, request.finish_reason
+                    child.error = request.error
+                    extra.append(child)
+                request.forks_pending = 0
+        return progressed + extra if extra else progressed
+
+    def _pin_on_finish(self, request: Request) -> int | None:
+        """A pin request that ended: pin its prompt's blocks now (no step has run since
+        they were freed, so nothing can have evicted them). The count, or None where
+        the request failed or pinning was refused (``request.pin_error``)."""
+        if request.status is not Status.FINISHED or request.finish_reason == "error":
+            return None
+        order = request.pin
+        assert order is not None
+        try:
+            pinned = self._manager.pin(
+                request.prompt_ids, request.salt, max_salt_blocks=order.max_salt_blocks
+            )
+        except CacheError as exc:
+            request.pin_error = exc
+            request.error = str(exc)
+            return None
+        if order.shared and pinned:
+            self._shared_prefixes.add(tuple(request.prompt_ids))
+        self._pins_changed()
+        return pinned
 
     # -- fault isolation ---------------------------------------------------------------
     def _forward_isolating(
@@ -219,9 +382,9 @@ class Engine:
         failed: list[Request] = []
 
         def run(items: list[Work]) -> None:
-            chunks = [SeqChunk(w.request.seq_id, w.token_ids, w.start) for w in items]
+            chunks = [self._chunk(w) for w in items]
             try:
-                parts.append((items, self.runner.forward(chunks)))
+                parts.append((items, self._runner.forward(chunks)))
                 return
             except Exception as exc:
                 if len(items) == 1:
@@ -248,13 +411,13 @@ class Engine:
             [r.generator for r in requests],
         )
         try:
-            return list(self.sampler.sample(logits, *args))
+            return list(self._sampler.sample(logits, *args))
         except Exception:
             tokens: list[int | None] = []
             for i, request in enumerate(requests):
                 try:
                     one = [a[i : i + 1] for a in args]
-                    tokens.extend(self.sampler.sample(logits[i : i + 1], *one))
+                    tokens.extend(self._sampler.sample(logits[i : i + 1], *one))
                 except Exception as exc:
                     self._fail(request, exc)
                     tokens.append(None)
@@ -266,38 +429,81 @@ class Engine:
         log.error("request %s failed (error id %s)", request.request_id, error_id, exc_info=exc)
         request.error = f"internal error (id {error_id})"
         if request.status is not Status.FINISHED:
-            self.scheduler.finish(request, "error")
-        self.requests.pop(request.request_id, None)
+            self._scheduler.finish(request, "error")
         return request
+
+    def _chunk(self, work: Work) -> SeqChunk:
+        table = self._manager.block_table(work.request.seq_id)
+        return SeqChunk(work.token_ids, work.start, table)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
-    ) -> list[Request]:
-        """Run the prompts to completion, batched together; results in prompt order
-        (with ``n > 1`` each result's ``siblings`` holds its n samples)."""
+    ) -> list[CompletionOutput]:
+        """Run the prompts to completion, batched together; the outputs in prompt order
+        (with ``n > 1``, the n samples of each prompt in turn)."""
         many = params if isinstance(params, Sequence) else [params] * len(prompts)
-        requests = [self.add_request(p, sp) for p, sp in zip(prompts, many, strict=True)]
-        while any(s.status is not Status.FINISHED for r in requests for s in r.siblings):
-            self.step()
-        return requests
+        added = [
+            (self.add_request(p, sp), sp.n, list(p)) for p, sp in zip(prompts, many, strict=True)
+        ]
+        results = Completions({rid: prompt for rid, _, prompt in added})
+        while not all(results.finished(rid, n) for rid, n, _ in added):
+            results.add(self.step())
+        return [out for rid, n, _ in added for out in results.result(rid, n)]
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's counters now: the pool, the queues, each tenant, the pins."""
+        scheduler, manager = self._scheduler, self._manager
+        running: dict[str | None, int] = {}
+        for request in scheduler.running:
+            running[request.salt] = running.get(request.salt, 0) + 1
+        waiting = scheduler.waiting.count_by_tenant()
+        pins = self._pins_by_salt
+        tenants = {}
+        for salt in {*running, *waiting, *scheduler.tenants, *pins}:
+            counters = scheduler.tenants.get(salt)
+            tenants[salt] = TenantSnapshot(
+                running=running.get(salt, 0),
+                waiting=waiting.get(salt, 0),
+                admitted=counters.admitted if counters else 0,
+                prompt_tokens=counters.prompt_tokens if counters else 0,
+                cached_prompt_tokens=counters.cached_prompt_tokens if counters else 0,
+                pins=pins.get(salt, (0, 0))[0],
+                pinned_blocks=pins.get(salt, (0, 0))[1],
+            )
+        return EngineSnapshot(
+            cache=manager.stats(),
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            preemptions=scheduler.preemptions,
+            steps=self._steps,
+            max_pinned_blocks=manager.pool.max_pinned_blocks,
+            expected_output=scheduler.expected_output,
+            tenants=tenants,
+            pins=tuple(manager.pins()),
+        )
+
+    def _new_sample(self, request: Request, index: int) -> Request:
+        seed = request.params.seed
+        sample = Request(
+            request.request_id,
+            request.prompt_ids,
+            replace(request.params, seed=None if seed is None else seed_bits(seed + index)),
+            request.salt,
+            arrival=request.arrival,
+            tokens=list(request.tokens),
+            index=index,
+            parent=request,
+        )
+        self._requests.setdefault(request.request_id, [request]).append(sample)
+        return sample
 
     def _fork_samples(self, request: Request) -> list[Request]:
         """At a request's first token, its other ``n - 1`` samples start as forks of it:
         they share every block of the prompt (n samples cost one prompt's KV)."""
         children = []
         for j in range(1, request.forks_pending + 1):
-            seed = None if request.params.seed is None else seed_bits(request.params.seed + j)
-            child = Request(
-                f"{request.request_id}#{j}",
-                request.prompt_ids,
-                replace(request.params, seed=seed),
-                request.salt,
-                arrival=request.arrival,
-                tokens=list(request.tokens),
-            )
-            self.scheduler.fork(request, child)
-            self.requests[child.request_id] = child
-            request.siblings.append(child)
+            child = self._new_sample(request, j)
+            self._scheduler.fork(request, child)
             children.append(child)
         request.forks_pending = 0
         return children

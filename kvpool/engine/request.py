@@ -16,9 +16,20 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class PinOrder:
+    """What a pin request pins when it ends: its prompt, under its salt (``shared``: no
+    salt, for every tenant), within ``max_salt_blocks`` for that salt."""
+
+    shared: bool = False
+    max_salt_blocks: int | None = None
+
+
 @dataclass(eq=False)
 class Request:
-    """One sequence. While running it holds blocks under ``seq_id`` in the block manager.
+    """One sequence (one sample of a request: the n samples share ``request_id`` and
+    differ in ``index``). While running it holds blocks under ``seq_id`` in the block
+    manager.
 
     ``tokens`` is the prompt followed by the output so far; ``num_computed`` counts the
     leading tokens whose KV is in the pool. A preempted request keeps ``tokens`` and
@@ -42,8 +53,11 @@ class Request:
     generator: torch.Generator | None = None
     reserve_tokens: int = 0  # the static policy: token slots taken up front at admission
     public_tokens: int = 0  # leading prompt tokens of a prefix shared across tenants
+    index: int = 0  # which of the request's n samples (0: the one added)
+    parent: Request | None = None  # n > 1: the sample 0 this one was forked from
     forks_pending: int = 0  # n > 1: samples to fork from this one at its first token
-    siblings: list[Request] = field(default_factory=list)  # all n samples, this one first
+    pin: PinOrder | None = None  # a pin request: what to pin once its prompt is computed
+    pin_error: Exception | None = None  # pinning was refused (a CacheError)
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -27,9 +27,6 @@ from kvpool.cache import KVCacheManager, OutOfBlocks
 from kvpool.engine.fair_queue import FairQueue
 from kvpool.engine.request import Request, Status
 
-# Tokens computed in one step by default: prompts longer than this are prefilled in chunks.
-MAX_BATCH_TOKENS = 2048
-
 
 @dataclass
 class Work:
@@ -59,10 +56,11 @@ class Scheduler:
         self,
         manager: KVCacheManager,
         *,
-        max_batch_tokens: int = MAX_BATCH_TOKENS,
-        max_running: int = 256,
-        watermark: float = 0.01,
+        max_batch_tokens: int,
+        max_running: int,
+        watermark: float,
     ) -> None:
+        """The settings are ``EngineConfig``'s (where their defaults live)."""
         self.manager = manager
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running

@@ -1,8 +1,9 @@
 """``load_model``: a model name to a ready runtime, with progress and a report.
 
-The device is CUDA when torch has it, else the CPU. The default dtype is the fastest one
-measured for the device (bfloat16: on this project's CPUs bf16 decodes 1.3x faster at
-batch 1 and 1.3x at batch 32 than fp32, on AMX); ``float32`` gives exact comparisons.
+The device is CUDA when torch has it, else the CPU. On the CPU with the native ops the
+default compute dtype is measured at load (a few decode steps under bfloat16 and under
+float32; bfloat16 unless float32 is clearly faster, since it also halves the KV);
+``float32`` gives exact comparisons.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from kvpool.cache import KVCacheManager
 from kvpool.formats.gguf_header import read_gguf_header
 from kvpool.model.config import ModelConfig
 from kvpool.model.cpu import cpu_features
@@ -43,8 +43,8 @@ def choose_device(name: str | None = None) -> torch.device:
 
 def choose_dtype(name: str | None, device: torch.device) -> torch.dtype:
     """``name``, or for None the device's fast dtype: on the CPU bfloat16 where it has
-    bf16 products in hardware (AVX-512 BF16, AMX), else float32 (emulated bf16 products
-    ran 3x slower than float32 on an AVX2-only CPU)."""
+    bf16 products in hardware (AVX-512 BF16, AMX), else float32 (oneDNN emulates bf16
+    products elsewhere, several times slower than float32)."""
     if name is None:
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -70,11 +70,11 @@ class LoadedModel:
     def kv_bytes_per_token(self) -> int:
         return self.config.kv_geometry(self.model.dtype.itemsize).bytes_per_token
 
-    def make_runner(self, kv_cache_memory: int, block_size: int, **manager_kw) -> ModelRunner:
+    def make_runner(self, kv_cache_memory: int, block_size: int) -> ModelRunner:
+        """A runner over as many blocks as ``kv_cache_memory`` bytes hold."""
         geometry = self.config.kv_geometry(self.model.dtype.itemsize)
         blocks = geometry.blocks_for_budget(kv_cache_memory, block_size)
-        manager = KVCacheManager(blocks, block_size, geometry=geometry, **manager_kw)
-        return ModelRunner(self.model, manager)
+        return ModelRunner(self.model, blocks, block_size)
 
     def compute_line(self) -> str:
         """One line: the compute dtype chosen and why, and how products are computed."""
@@ -97,24 +97,23 @@ class LoadedModel:
             lines[-1] += f" (native ops built in {self.native_seconds:.0f} s, once)"
         lines.append(f"  {self.compute_line()}")
         if runner is not None:
-            m = runner.manager
+            n, bs = runner.kv.num_blocks, runner.block_size
             lines.append(
-                f"  KV pool: {m.num_blocks} blocks of {m.block_size} tokens = "
-                f"{m.num_blocks * m.block_size:,} token slots, {runner.kv.nbytes / 2**20:.0f} MiB"
+                f"  KV pool: {n} blocks of {bs} tokens = {n * bs:,} token slots, "
+                f"{runner.kv.nbytes / 2**20:.0f} MiB"
             )
         return "\n".join(lines)
 
 
 def _release_heap_memory() -> None:
     """Hand the heap pages freed by loading (the dequantized fp32 tensors, the plain
-    copies of prepacked weights) back to the OS: glibc keeps them otherwise. Measured on
-    the default model: resident after loading 784 -> 633 MiB. A no-op where the C
-    library has no ``malloc_trim``.
+    copies of prepacked weights) back to the OS: glibc keeps them otherwise. A no-op
+    where the C library has no ``malloc_trim``.
 
     Tried and dropped: also giving every allocation of 1 MiB or more its own mapping
-    (``mallopt``), which lowered the peak of ``kvpool bench model`` from 994 to 911 MiB
-    but made the server 1.5x slower under load (``kvpool bench serve`` shared-prefix
-    14.4 -> 21 s): the sampler's per-step logits tensors then page-faulted on every step.
+    (``mallopt``): a lower peak, but the sampler's per-step logits tensors then
+    page-faulted on every step and the server ran slower under load (docs/performance.md,
+    "Memory").
     """
     try:
         trim = ctypes.CDLL(None).malloc_trim
@@ -128,16 +127,15 @@ def _probe_decode_seconds(model: LlamaModel, context: int = 8) -> float:
     what compute dtype to serve in is decided by it."""
     from kvpool.model.runner import ModelRunner, SeqChunk
 
-    manager = KVCacheManager(-(-(context + 8) // 16), 16)
-    runner = ModelRunner(model, manager, threads=None)
+    blocks = -(-(context + 8) // 16)
+    runner = ModelRunner(model, blocks, 16, threads=None)
+    table = list(range(blocks))  # one sequence, its blocks in order
     prompt = [(7 * i + 3) % model.vocab_rows for i in range(context)]
-    manager.allocate(0, prompt)
-    runner.forward([SeqChunk(0, prompt, 0)])
+    runner.forward([SeqChunk(prompt, 0, table)])
     times = []
     for step in range(4):
-        manager.append(0, [prompt[step]])
         begin = time.perf_counter()
-        runner.forward([SeqChunk(0, [prompt[step]], context + step)])
+        runner.forward([SeqChunk([prompt[step]], context + step, table)])
         times.append(time.perf_counter() - begin)
     return min(times[1:])  # the first step after a prefill pays its thread policy's trial
 

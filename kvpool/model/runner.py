@@ -1,7 +1,9 @@
-"""``ModelRunner``: runs the model on sequences whose blocks the block manager holds.
+"""``ModelRunner``: runs the model on sequences given as plain data: each chunk's new
+tokens, its start position and its block table (the physical block ids holding its KV,
+in order, as the block manager hands them out).
 
 The runner turns block tables into slot indices, builds the ``AttentionBatch`` and calls
-the model. It owns the ``PagedKVStore``, sized from the manager's pool once.
+the model. It owns the ``PagedKVStore`` of ``num_blocks`` blocks of ``block_size``.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from typing import Literal
 
 import torch
 
-from kvpool.cache import KVCacheManager, SeqId
+from kvpool.model.attention import AttentionBatch, SharedPrefix
 from kvpool.model.kv_store import PagedKVStore
-from kvpool.model.llama import AttentionBatch, LlamaModel, SharedPrefix
+from kvpool.model.llama import LlamaModel
 from kvpool.model.threads import Mode, ThreadPolicy
 
 _THREADS_AT_IMPORT = torch.get_num_threads()
@@ -22,15 +24,17 @@ _THREADS_AT_IMPORT = torch.get_num_threads()
 
 @dataclass(frozen=True)
 class SeqChunk:
-    """New tokens of one sequence to compute in a step, from position ``start``."""
+    """New tokens of one sequence to compute in a step, from position ``start``;
+    ``block_table`` holds the sequence's blocks, covering at least ``start +
+    len(token_ids)`` positions (the new tokens' K/V are written into them)."""
 
-    seq_id: SeqId
     token_ids: list[int]
     start: int
+    block_table: list[int]
 
 
 class ModelRunner:
-    """Runs steps of the model over sequences held by ``manager``.
+    """Runs steps of the model over a paged KV store of ``num_blocks`` blocks.
 
     On the CPU a ``ThreadPolicy`` decides, by measuring, how each step uses the threads
     (see ``kvpool.model.threads``); ``threads=None`` leaves torch's setting alone.
@@ -39,16 +43,15 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaModel,
-        manager: KVCacheManager,
+        num_blocks: int,
+        block_size: int,
         *,
         threads: ThreadPolicy | Literal["auto"] | None = "auto",
         min_shared_tokens: int | None = None,
     ) -> None:
         self.model = model
-        self.manager = manager
-        self.kv = PagedKVStore(
-            model.config, manager.num_blocks, manager.block_size, model.dtype, model.device
-        )
+        self.block_size = block_size
+        self.kv = PagedKVStore(model.config, num_blocks, block_size, model.dtype, model.device)
         if threads == "auto":
             # the count at import, not the current one: a runner may have left it at one
             cpu = model.device.type == "cpu"
@@ -56,16 +59,15 @@ class ModelRunner:
         self.threads: ThreadPolicy | None = threads
         # On the torch path, decode reads a prefix shared by several sequences once per
         # group, when it is this long: below, the extra ops cost more than the gathers
-        # they save (batch 32: 256 shared of 320 tokens, par; 600 of 640, 151 -> 101 ms a
-        # step). With the native decode attention no groups are made (unless asked for):
-        # it reads every sequence's own table, the shared blocks hot in the cache, faster
-        # than the grouped torch path (600 of 640: 57.8 vs 63.3 ms; 300 of 340 at batch
-        # 16: 35.9 vs 51.0).
+        # they save. With the native decode attention no groups are made (unless asked
+        # for): it reads every sequence's own table, the shared blocks hot in the cache,
+        # which measured faster than the grouped torch path (docs/performance.md,
+        # "Shared-prefix decode").
         if min_shared_tokens is None and model.native_decode is None:
             min_shared_tokens = 256
         self.min_shared_blocks: int | None = None
         if min_shared_tokens is not None:
-            self.min_shared_blocks = max(1, min_shared_tokens // manager.block_size)
+            self.min_shared_blocks = max(1, min_shared_tokens // block_size)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.kv.copy_blocks(copies)
@@ -77,17 +79,14 @@ class ModelRunner:
         padded attention: each sequence's attention then takes the same path whatever
         it is batched with (a decode row padded to a prefill chunk's length computed
         other roundings, and wasted the padding)."""
-        bs = self.manager.block_size
+        bs = self.block_size
         device = self.model.device
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         q_lens = [len(c.token_ids) for c in chunks]
         ctx_lens = [c.start + len(c.token_ids) for c in chunks]
-        tables = [
-            self.manager.block_table(c.seq_id)[: -(-ctx // bs)]
-            for c, ctx in zip(chunks, ctx_lens, strict=True)
-        ]
+        tables = [c.block_table[: -(-ctx // bs)] for c, ctx in zip(chunks, ctx_lens, strict=True)]
         offsets = []
         for chunk, ctx, table in zip(chunks, ctx_lens, tables, strict=True):
             offsets.append(len(input_ids))

@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict
 
 from kvpool.cache import PinInfo
-from kvpool.engine.async_llm import EngineSnapshot
+from kvpool.engine.snapshot import EngineSnapshot
 from kvpool.server.auth import Tenant, tenant_name
 from kvpool.server.errors import APIError, bad_request, read_json
 from kvpool.server.state import ServerState, State, tenant_of
@@ -95,7 +95,7 @@ def _tenant_view(snap: EngineSnapshot, tenant: Tenant) -> dict[str, Any]:
 
 @router.get("/api/kvcache")
 async def kvcache(http: Request, state: State) -> Any:
-    snap = state.model.engine.snapshot  # never waits for a step
+    snap = state.model.snapshot  # never waits for a step
     tenant = tenant_of(http)
     if not tenant.admin:
         return {**_capacity(snap, state), **_tenant_view(snap, tenant)}
@@ -127,9 +127,9 @@ def _visible_pins(snap: EngineSnapshot, tenant: Tenant) -> list[PinInfo]:
 @router.get("/api/kvcache/pins")
 async def pins(http: Request, state: State) -> Any:
     tenant = tenant_of(http)
-    decode = state.model.llm.tokenizer.decode
+    decode = state.model.decode
     listed = []
-    for pin in _visible_pins(state.model.engine.snapshot, tenant):
+    for pin in _visible_pins(state.model.snapshot, tenant):
         listed.append(
             {
                 "id": pin_id(pin),
@@ -148,12 +148,11 @@ def _prefix_ids(body: PinBody, state: ServerState) -> list[int]:
     given = [x for x in (body.system, body.prompt, body.tokens) if x is not None]
     if len(given) != 1:
         raise bad_request("give exactly one of system, prompt or tokens")
-    tokenizer = model.llm.tokenizer
     if body.system is not None:
         system = [{"role": "system", "content": body.system}]
-        ids = tokenizer.encode_chat(system, add_generation_prompt=False)
+        ids = model.encode_chat(system, add_generation_prompt=False)
     elif body.prompt is not None:
-        ids = tokenizer.encode(body.prompt)
+        ids = model.encode(body.prompt)
     else:
         ids = model.check_tokens(body.tokens or [], "tokens")
     if not ids:
@@ -177,9 +176,9 @@ async def pin(http: Request, state: State) -> Any:
         raise bad_request("pin takes system, prompt or tokens (id names an existing pin)")
     ids = _prefix_ids(body, state)
     tenant = tenant_of(http)
-    engine = state.model.engine
-    cap = None if tenant.admin else state.tenant_pin_blocks(engine.snapshot.max_pinned_blocks)
-    pinned = await engine.pin_prefix(ids, salt=tenant.salt, shared=body.shared, max_salt_blocks=cap)
+    model = state.model
+    cap = None if tenant.admin else state.tenant_pin_blocks(model.snapshot.max_pinned_blocks)
+    pinned = await model.pin_prefix(ids, salt=tenant.salt, shared=body.shared, max_salt_blocks=cap)
     return {"prefix_tokens": len(ids), "pinned_tokens": pinned, "shared": body.shared}
 
 
@@ -187,18 +186,18 @@ async def pin(http: Request, state: State) -> Any:
 async def unpin(http: Request, state: State) -> Any:
     body = await read_json(http, PinBody)
     tenant = tenant_of(http)
-    engine = state.model.engine
+    model = state.model
     if body.id is not None:
-        found = [p for p in _visible_pins(engine.snapshot, tenant) if pin_id(p) == body.id]
+        found = [p for p in _visible_pins(model.snapshot, tenant) if pin_id(p) == body.id]
         if not found:
             raise APIError(404, f"no pin with id {body.id!r}", "not_found_error")
         salt = found[0].salt.decode() or None
         ids = list(found[0].token_ids)
-        await engine.unpin_prefix(ids, salt=salt, shared=salt is None)
+        await model.unpin_prefix(ids, salt=salt, shared=salt is None)
         return {"prefix_tokens": len(ids), "unpinned": True, "id": body.id}
     _check_shared(body, http)
     ids = _prefix_ids(body, state)
-    await engine.unpin_prefix(ids, salt=tenant.salt, shared=body.shared)
+    await model.unpin_prefix(ids, salt=tenant.salt, shared=body.shared)
     return {"prefix_tokens": len(ids), "unpinned": True}
 
 
@@ -207,7 +206,7 @@ async def reset(http: Request, state: State) -> Any:
     if not tenant_of(http).admin:
         raise APIError(403, "only an admin key may reset the cache")
     body = await read_json(http, ResetBody)
-    dropped = await state.model.engine.reset_prefix_cache(unpin=body.pins)
+    dropped = await state.model.reset_prefix_cache(unpin=body.pins)
     return {"dropped_blocks": dropped, "unpinned": body.pins}
 
 

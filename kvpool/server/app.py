@@ -49,7 +49,7 @@ def create_app(
     app.state.kv = ServerState(
         model=model,
         keys=keys or KeyRing({}),
-        metrics=Metrics(lambda: model.engine.snapshot),
+        metrics=Metrics(lambda: model.snapshot),
         tenant_pin_share=tenant_pin_share,
         max_queue=max_queue,
     )

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from kvpool.engine.async_llm import AsyncLLM, Delta, RequestStream
+from kvpool.engine.async_llm import RequestStream
+from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling import SamplingParams
 from kvpool.server.auth import Tenant
 from kvpool.server.metrics import Metrics
+from kvpool.server.served_model import ServedModel
 
 
 @dataclass
@@ -74,7 +76,7 @@ class Generation:
     @classmethod
     async def start(
         cls,
-        engine: AsyncLLM,
+        model: ServedModel,
         http: Request,
         prompt_ids: Sequence[int],
         params: SamplingParams,
@@ -83,13 +85,13 @@ class Generation:
         api: str,
     ) -> Generation:
         arrival = time.monotonic()
-        stream = await engine.submit(prompt_ids, params, salt=tenant.salt)
+        stream = await model.submit(list(prompt_ids), params, salt=tenant.salt)
         generation = cls(stream, params.n, metrics, api, tenant)
         generation.outcome.arrival = arrival
         generation._watcher = asyncio.create_task(generation._close_on_disconnect(http))
         return generation
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncIterator[RequestOutput]:
         """The request's deltas as they come; the outcome fills in on the way."""
         out = self.outcome
         failed = False

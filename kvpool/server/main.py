@@ -18,6 +18,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from kvpool.engine import config as engine_config
+
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 11434
 
 
@@ -39,12 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GGUF path or Ollama model name (default: the built-in model)")  # fmt: skip
     p.add_argument("--host", default=None, help=f"default {DEFAULT_HOST} (or KVPOOL_HOST)")
     p.add_argument("--port", type=int, default=None, help=f"default {DEFAULT_PORT}; 0: any free")
-    p.add_argument("--kv-cache-memory", type=int, default=512, metavar="MiB")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
-    p.add_argument("--max-batch-tokens", type=int, default=2048)
-    p.add_argument("--policy", choices=["paged", "static"], default="paged")
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="compute dtype (default: the fastest measured at load)")  # fmt: skip
+    engine_config.add_arguments(p)
     p.add_argument("--batch-invariant", action="store_true",
                    help="int8 products at every step size, in any dtype: no output depends "
                         "on what else is batched")  # fmt: skip
@@ -65,7 +64,8 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvpool.engine.async_llm import AsyncLLM
-    from kvpool.engine.llm import LLM
+    from kvpool.engine.engine import Engine
+    from kvpool.model.loader import load_model
     from kvpool.model_store import ModelNotFound
     from kvpool.server.app import create_app
     from kvpool.server.auth import KeyRing
@@ -76,31 +76,27 @@ def serve(args: argparse.Namespace) -> int:
     host, port = host_and_port(args)
     try:
         keys = KeyRing.load(args.api_key, args.keys_file)
-        llm = LLM(
+        config = engine_config.from_args(args, max_queue=args.max_queue)
+        loaded = load_model(
             args.model,
             dtype=args.dtype,
-            kv_cache_memory=args.kv_cache_memory * 2**20,
-            block_size=args.block_size,
-            max_batch_tokens=args.max_batch_tokens,
-            enable_prefix_caching=not args.no_prefix_caching,
-            policy=args.policy,
             progress=not args.quiet,
-            max_queue=args.max_queue,
             batch_invariant=args.batch_invariant,
         )
+        engine = Engine(loaded.model, config, tokenizer=loaded.tokenizer)
     except (ModelNotFound, ValueError, OSError) as exc:
         print(f"kvpool: {exc}", file=sys.stderr)
         return 2
     if args.quiet:  # the compute choice is said even then: one line
-        print(f"kvpool: {llm.loaded.compute_line()}", file=sys.stderr)
-    engine = AsyncLLM(llm)
-    model = ServedModel.open(args.model, llm, engine)
-    pool = llm.engine.manager
+        print(f"kvpool: {loaded.compute_line()}", file=sys.stderr)
+    llm = AsyncLLM(engine)
+    model = ServedModel.open(args.model, loaded, llm)
+    n, bs = engine.num_blocks, engine.block_size
     print(
-        f"  KV pool: {pool.num_blocks} blocks of {pool.block_size} tokens = "
-        f"{pool.num_blocks * pool.block_size:,} token slots "
-        f"({pool.stats().total_bytes / 2**20:.0f} MiB), policy {args.policy}, prefix caching "
-        f"{'off' if args.no_prefix_caching else 'on'}, API keys {'on' if keys.enabled else 'off'}",
+        f"  KV pool: {n} blocks of {bs} tokens = {n * bs:,} token slots "
+        f"({n * engine.kv_bytes_per_block / 2**20:.0f} MiB), policy {config.policy}, prefix "
+        f"caching {'on' if config.prefix_caching else 'off'}, API keys "
+        f"{'on' if keys.enabled else 'off'}",
         file=sys.stderr,
     )
     app = create_app(
@@ -127,7 +123,7 @@ def serve(args: argparse.Namespace) -> int:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: object) -> None:
-            engine.stop_soon()  # in-flight requests end now; their blocks are freed
+            llm.stop_soon()  # in-flight requests end now; their blocks are freed
             super().handle_exit(sig, frame)
 
         @contextlib.contextmanager
@@ -142,12 +138,12 @@ def serve(args: argparse.Namespace) -> int:
                 for sig, handler in original.items():
                     signal.signal(sig, handler)
 
-    engine.start()
+    llm.start()
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     print(f"kvpool: serving {model.name} on http://{shown}:{bound_port}", flush=True)
     try:
         Server(config).run(sockets=[sock])
     finally:
-        engine.shutdown()
+        llm.shutdown()
         print("kvpool: stopped", file=sys.stderr)
     return 0

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvpool.engine.async_llm import EngineSnapshot, TenantSnapshot
+from kvpool.engine.snapshot import EngineSnapshot, TenantSnapshot
 from kvpool.server.auth import Tenant, tenant_name
 
 # What a tenant's scrape may see besides its own series: the pool's size.

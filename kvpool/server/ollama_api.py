@@ -116,20 +116,19 @@ async def generate(http: Request, state: State) -> Any:
     _unsupported(body.format, body.images)
     if body.suffix:
         raise bad_request("suffix (fill-in-the-middle) is not supported by kvpool")
-    tokenizer = model.llm.tokenizer
     if not body.prompt and not body.context:
         # Ollama's way to load a model: nothing to generate.
         return {"model": model.name, "created_at": _now(), "response": "", "done": True,
                 "done_reason": "load"}  # fmt: skip
     if body.raw:
-        ids = tokenizer.encode(body.prompt)
+        ids = model.encode(body.prompt)
     else:
         messages = [{"role": "system", "content": body.system}] if body.system else []
-        ids = tokenizer.encode_chat([*messages, {"role": "user", "content": body.prompt}])
+        ids = model.encode_chat([*messages, {"role": "user", "content": body.prompt}])
     ids = model.check_tokens(list(body.context or []), "context") + ids
     params = ollama_params(body.options, len(ids), model.context_length)
     generation = await Generation.start(
-        model.engine, http, ids, params, tenant_of(http), state.metrics, "ollama"
+        model, http, ids, params, tenant_of(http), state.metrics, "ollama"
     )
 
     def piece(text: str) -> dict[str, Any]:
@@ -161,12 +160,12 @@ async def chat(http: Request, state: State) -> Any:
                 "done_reason": "load"}  # fmt: skip
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
     try:
-        ids = model.llm.tokenizer.encode_chat(messages)
+        ids = model.encode_chat(messages)
     except ValueError as exc:  # the template refused the conversation
         raise bad_request(str(exc)) from None
     params = ollama_params(body.options, len(ids), model.context_length)
     generation = await Generation.start(
-        model.engine, http, ids, params, tenant_of(http), state.metrics, "ollama"
+        model, http, ids, params, tenant_of(http), state.metrics, "ollama"
     )
 
     def piece(text: str) -> dict[str, Any]:
@@ -199,7 +198,7 @@ async def show(http: Request, state: State) -> Any:
         "license": str(model.info.get("general.license", "")),
         "modelfile": f"FROM {model.path}\n",
         "parameters": params,
-        "template": model.llm.tokenizer.chat_template or "",
+        "template": model.chat_template,
         "details": model.details(),
         "model_info": model.info,
         "capabilities": ["completion"],
@@ -210,8 +209,8 @@ async def show(http: Request, state: State) -> Any:
 @router.get("/api/ps")
 async def ps(state: State) -> Any:
     model = state.model
-    stats = model.engine.snapshot.cache
-    on_gpu = model.llm.loaded.model.device.type == "cuda"
+    stats = model.snapshot.cache
+    on_gpu = model.on_gpu
     size = model.size + stats.total_bytes
     return {
         "models": [

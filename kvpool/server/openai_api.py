@@ -125,12 +125,12 @@ async def chat_completions(http: Request, state: State) -> Any:
         for m in body.messages
     ]
     try:
-        ids = model.llm.tokenizer.encode_chat(messages)
+        ids = model.encode_chat(messages)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
     params = openai_params(body, len(ids), model.context_length)
     generation = await Generation.start(
-        model.engine, http, ids, params, tenant_of(http), state.metrics, "openai"
+        model, http, ids, params, tenant_of(http), state.metrics, "openai"
     )
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": model.name, "system_fingerprint": "kvpool"}
@@ -184,16 +184,15 @@ async def completions(http: Request, state: State) -> Any:
         if len(prompt) != 1:
             raise bad_request("send one prompt per request (a list of prompts is not supported)")
         prompt = prompt[0]
-    tokenizer = model.llm.tokenizer
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        ids = model.encode(prompt)
     else:
         ids = model.check_tokens(list(prompt), "prompt")
     if not ids:
         raise bad_request("the prompt is empty")
     params = openai_params(body, len(ids), model.context_length)
     generation = await Generation.start(
-        model.engine, http, ids, params, tenant_of(http), state.metrics, "openai"
+        model, http, ids, params, tenant_of(http), state.metrics, "openai"
     )
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": model.name}

@@ -1,5 +1,7 @@
-"""``ServedModel``: the one model a server runs, its names, and what the listing APIs say
-about it (Ollama's ``/api/tags``, ``/api/show``, ``/api/ps``; OpenAI's ``/v1/models``)."""
+"""``ServedModel``: the one model a server runs, its names, what the listing APIs say
+about it (Ollama's ``/api/tags``, ``/api/show``, ``/api/ps``; OpenAI's ``/v1/models``),
+and the small interface the routes use: tokenize and render chats, submit a request,
+read the engine's snapshot, pin and unpin prefixes. The routes reach nothing else."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kvpool.engine.async_llm import AsyncLLM
-from kvpool.engine.llm import LLM
+from kvpool.engine.async_llm import AsyncLLM, RequestStream
+from kvpool.engine.sampling import SamplingParams
+from kvpool.engine.snapshot import EngineSnapshot
 from kvpool.formats.gguf_header import read_gguf_header
+from kvpool.model.loader import LoadedModel
 from kvpool.model_store import DEFAULT_ALIASES
 from kvpool.server.errors import bad_request
 
@@ -33,8 +37,8 @@ def _with_tag(name: str) -> str:
 class ServedModel:
     name: str
     path: Path
-    llm: LLM
-    engine: AsyncLLM
+    loaded: LoadedModel
+    llm: AsyncLLM  # the engine's driver (its thread)
     aliases: frozenset[str]
     digest: str
     size: int
@@ -43,8 +47,8 @@ class ServedModel:
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
 
     @classmethod
-    def open(cls, requested: str | None, llm: LLM, engine: AsyncLLM) -> ServedModel:
-        path = llm.loaded.path
+    def open(cls, requested: str | None, loaded: LoadedModel, llm: AsyncLLM) -> ServedModel:
+        path = loaded.path
         if requested is None or requested.lower() in DEFAULT_ALIASES:
             name, aliases = DEFAULT_NAME, {*DEFAULT_ALIASES, DEFAULT_NAME}
         elif Path(requested).expanduser().is_file():
@@ -62,8 +66,8 @@ class ServedModel:
         return cls(
             name=name,
             path=path,
+            loaded=loaded,
             llm=llm,
-            engine=engine,
             aliases=frozenset(a.lower() for a in aliases if a),
             digest=digest.hexdigest(),
             size=stat.st_size,
@@ -74,6 +78,49 @@ class ServedModel:
     def matches(self, requested: str) -> bool:
         return requested.lower() in self.aliases or _with_tag(requested.lower()) in self.aliases
 
+    # -- text ------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        return self.loaded.tokenizer.encode(text)
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The messages rendered by the model's chat template, as token ids."""
+        return self.loaded.tokenizer.encode_chat(
+            messages, add_generation_prompt=add_generation_prompt
+        )
+
+    def decode(self, ids: list[int]) -> str:
+        return self.loaded.tokenizer.decode(ids)
+
+    @property
+    def chat_template(self) -> str:
+        return self.loaded.tokenizer.chat_template or ""
+
+    # -- the engine ------------------------------------------------------------------------
+    async def submit(
+        self, ids: list[int], params: SamplingParams, *, salt: str | None
+    ) -> RequestStream:
+        return await self.llm.submit(ids, params, salt=salt)
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's latest counters (never waits for a step)."""
+        return self.llm.snapshot
+
+    async def pin_prefix(
+        self, ids: list[int], *, salt: str | None, shared: bool, max_salt_blocks: int | None
+    ) -> int:
+        return await self.llm.pin_prefix(
+            ids, salt=salt, shared=shared, max_salt_blocks=max_salt_blocks
+        )
+
+    async def unpin_prefix(self, ids: list[int], *, salt: str | None, shared: bool) -> None:
+        await self.llm.unpin_prefix(ids, salt=salt, shared=shared)
+
+    async def reset_prefix_cache(self, *, unpin: bool) -> int:
+        return await self.llm.reset_prefix_cache(unpin=unpin)
+
     @property
     def context_length(self) -> int:
         return self.llm.engine.context_length
@@ -82,6 +129,10 @@ class ServedModel:
     def vocab_size(self) -> int:
         """Valid token ids are ``[0, vocab_size)``."""
         return self.llm.engine.vocab_size
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.loaded.model.device.type == "cuda"
 
     def check_tokens(self, ids: list[int], field: str) -> list[int]:
         """``ids`` if every one is in the vocabulary; else a 400 naming the field and the
@@ -96,8 +147,8 @@ class ServedModel:
         return ids
 
     def details(self) -> dict[str, Any]:
-        cfg = self.llm.loaded.config
-        params = self.llm.loaded.model.num_parameters
+        cfg = self.loaded.config
+        params = self.loaded.model.num_parameters
         size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
         return {
             "parent_model": "",

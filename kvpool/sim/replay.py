@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from kvpool.cache import KVCacheManager, OutOfBlocks, PinLimitExceeded
+from kvpool.cache import KVCacheManager, OutOfBlocks, PinLimitExceeded, Policy
 from kvpool.progress import Progress
 from kvpool.sim.cost_model import StepCost
 from kvpool.sim.workload import PREFIX, Request, Workload, segment_tokens
@@ -39,6 +39,15 @@ class Strategy(StrEnum):
     STATIC = "static"
     PAGED = "paged"
     PAGED_PREFIX = "paged+prefix"
+
+    @property
+    def policy(self) -> Policy:
+        """The engine's policy this strategy replays (prefix caching is its other half)."""
+        return Policy.STATIC if self is Strategy.STATIC else Policy.PAGED
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self is Strategy.PAGED_PREFIX
 
 
 @dataclass(frozen=True)
@@ -157,7 +166,7 @@ class _Replay:
         self.cfg = cfg
         self.cost = cost
         self.ctx = workload.context_length
-        self.static = cfg.strategy is Strategy.STATIC
+        self.static = cfg.strategy.policy is Policy.STATIC
         num_blocks, self.bs = _blocks_for(cfg.strategy, cfg, self.ctx)
         if num_blocks < 1:
             raise ValueError(
@@ -166,7 +175,7 @@ class _Replay:
                 + f" for strategy {cfg.strategy}"
             )
         self.mgr = KVCacheManager(
-            num_blocks, self.bs, enable_prefix_caching=cfg.strategy is Strategy.PAGED_PREFIX
+            num_blocks, self.bs, enable_prefix_caching=cfg.strategy.prefix_caching
         )
         self.prefix = self.mgr.enable_prefix_caching
         self.watermark_blocks = 0 if self.static else int(cfg.watermark * num_blocks)

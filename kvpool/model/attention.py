@@ -1,0 +1,258 @@
+"""Attention over the paged KV store: the ``AttentionBatch`` a step's index tensors are
+held in, and the paths each layer's attention takes (``StepAttention`` picks one per
+step): the native decode op reading each sequence's blocks in place; the torch path,
+which gathers whole context blocks and runs batched products (decode) or SDPA with a
+mask (prefill chunks); a mixed step splitting its single decode tokens off to the native
+op; and decode groups reading a shared prefix once.
+
+Every path computes the same attention: each new query over its own sequence's context
+slots, causal within the chunk, nothing across sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from kvpool.model.kv_store import PagedKVStore
+
+if TYPE_CHECKING:
+    from kvpool.model.llama import LlamaModel
+
+
+@dataclass
+class AttentionBatch:
+    """Index tensors for one forward pass over ``T`` new tokens of ``B`` sequences."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] absolute position of each new token
+    slot_mapping: torch.Tensor  # [T] KV slot each new token is written to
+    query_index: torch.Tensor  # [B, Qmax] flat index of each sequence's i-th new token
+    query_valid: torch.Tensor  # [B, Qmax] bool
+    context_blocks: torch.Tensor  # [B, Nmax] block ids of each sequence's context
+    attn_mask: torch.Tensor  # [B, 1, Qmax, Nmax * block_size] bool, True = may attend
+    last_index: torch.Tensor  # [B] flat index of each sequence's last new token
+    key_valid: torch.Tensor  # [B, Nmax * block_size] bool: context position exists
+    context_lens: torch.Tensor  # [B] context tokens in context_blocks
+    decode_only: bool  # every sequence brings exactly one new token
+    # Decode only: groups whose first blocks are shared; a member's ``context_blocks``
+    # then holds only the blocks after its group's prefix.
+    shared_prefixes: list[SharedPrefix] = field(default_factory=list)
+    # A step mixing single decode tokens with longer chunks (with the native decode
+    # attention): the single tokens' flat indices [D], block tables [D, N] and context
+    # lengths [D]. The fields above then describe only the longer chunks' sequences
+    # (``last_index`` still covers every sequence).
+    decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class SharedPrefix:
+    """Decoding sequences (batch ``rows``) whose contexts start with the same physical
+    ``blocks``: attention reads those blocks once for the whole group."""
+
+    blocks: torch.Tensor  # [P] block ids
+    rows: torch.Tensor  # [n] batch rows, ascending
+    # The rows as a slice when they are consecutive (views, no gather/scatter); set once
+    # here rather than in every layer.
+    select: slice | torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        first, n = int(self.rows[0]), self.rows.shape[0]
+        consecutive = int(self.rows[-1]) - first == n - 1
+        self.select = slice(first, first + n) if consecutive else self.rows
+
+    def to(self, device: torch.device) -> SharedPrefix:
+        return SharedPrefix(self.blocks.to(device), self.rows.to(device))
+
+
+# Decode steps whose sequences have at most this many context keys in all compute their
+# attention in fp32 on the CPU: below it, bf16's fixed cost per batched product
+# outweighs the conversions (docs/performance.md, "Attention").
+FP32_ATTENTION_MAX_KEYS = 256
+# Context reads (the torch path's gathers, the native decode attention) over fewer
+# elements (per K or V) run on one thread even in a split step.
+PARALLEL_GATHER_MIN = 1 << 16
+
+
+def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+def attend(
+    model: LlamaModel,
+    q: torch.Tensor,
+    layer_kv: torch.Tensor,
+    batch: AttentionBatch,
+    decode_bias: torch.Tensor | None,
+    head_blocks: torch.Tensor,
+    rows: bool = False,
+) -> torch.Tensor:
+    """Each sequence's new queries over its own context slots -> ``[T, heads * dim]``
+    (with ``rows``: only the tokens of ``batch.query_index``, in its order).
+
+    The context is gathered whole blocks at a time (``block_size * dim`` contiguous
+    elements per copy, not one token's ``dim``: several times faster than slots), K
+    and V in one row gather over the layer's store seen as ``[(K and V heads) *
+    blocks, block_size * dim]`` (``head_blocks``: the rows of each head's blocks,
+    head-major), which torch runs on all threads (a gather along the block dimension
+    of ``[heads, blocks, ...]`` runs on one)."""
+    cfg = model.config
+    nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    b, n_blocks = batch.context_blocks.shape
+    length = batch.key_valid.shape[1]  # n_blocks * block_size
+    rows = (-1, length // n_blocks * d)  # [heads * blocks, block_size * dim]
+    size = nkv * b * length * d
+    buf = model._scratch(2 * size)  # reused: a fresh multi-MB tensor per layer costs
+    # page faults on every step (the gather then ran far slower than memcpy)
+    # Small gathers stay on the current thread: waking another costs more.
+    gather = model._heavy if size >= PARALLEL_GATHER_MIN else _call
+    gather(torch.index_select, layer_kv.view(rows), 0, head_blocks, out=buf.view(rows))
+    keys = buf[:size].view(nkv * b, length, d)
+    values = buf[size:].view(nkv * b, length, d)
+    if decode_bias is not None:
+        # One query per sequence: two small batched matmuls per (KV head, sequence)
+        # beat the flash kernel, whose blocking is made for long query runs; the
+        # heads of a KV group share its keys. The scale and the mask of missing
+        # context positions ride along in baddbmm.
+        g = nh // nkv
+        queries = q.view(b, nkv, g, d).transpose(0, 1).reshape(nkv * b, g, d)
+        if decode_bias.dtype != values.dtype:  # fp32 attention, chosen in forward
+            kv32 = buf.float()  # K and V in one conversion
+            keys_t = kv32[:size].view(nkv * b, length, d).transpose(1, 2)
+            scores = torch.baddbmm(decode_bias, queries.float(), keys_t, alpha=d**-0.5)
+            values32 = kv32[size:].view(nkv * b, length, d)
+            out = torch.bmm(torch.softmax(scores, dim=-1), values32).to(model.dtype)
+            return out.view(nkv, b, g, d).transpose(0, 1).reshape(b, nh * d)
+        scores = torch.baddbmm(decode_bias, queries, keys.transpose(1, 2), alpha=d**-0.5)
+        if batch.shared_prefixes:
+            bs = length // n_blocks
+            k_cache, v_cache = layer_kv[:nkv], layer_kv[nkv:]
+            return attend_shared(model, queries, scores, values, k_cache, v_cache, batch, bs)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+        out = torch.bmm(probs, values)  # [nkv * b, g, d]
+        return out.view(nkv, b, g, d).transpose(0, 1).reshape(b, nh * d)
+    queries = q[batch.query_index].transpose(1, 2)  # [B, nh, Q, d]
+    keys = keys.view(nkv, b, length, d).transpose(0, 1)
+    values = values.view(nkv, b, length, d).transpose(0, 1)
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=batch.attn_mask, enable_gqa=True
+    )
+    out = out.transpose(1, 2)[batch.query_valid]
+    return out.reshape(-1 if rows else q.shape[0], nh * d)
+
+
+def attend_split(
+    model: LlamaModel,
+    q: torch.Tensor,
+    kv: PagedKVStore,
+    layer: int,
+    batch: AttentionBatch,
+    head_blocks: torch.Tensor,
+) -> torch.Tensor:
+    """A mixed step: the single decode tokens through the native decode attention,
+    the longer chunks through ``attend`` (see ``AttentionBatch.decode``)."""
+    tokens, blocks, lens = batch.decode  # type: ignore[misc]
+    d = model.config.head_dim
+    out = torch.empty(q.shape[0], q.shape[1] * d, dtype=q.dtype, device=q.device)
+    chunked = batch.query_index[batch.query_valid]
+    out[chunked] = attend(model, q, kv.layers[layer], batch, None, head_blocks, rows=True)
+    native = model.native_decode
+    out[tokens] = model._heavy(
+        native, q[tokens].contiguous(), kv.layers[layer], blocks, lens, kv.block_size,
+        d**-0.5, model.products.variant,
+    )  # fmt: skip
+    return out
+
+
+def attend_shared(
+    model: LlamaModel,
+    queries: torch.Tensor,
+    own_scores: torch.Tensor,
+    own_values: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    bs: int,
+) -> torch.Tensor:
+    """Decode attention when groups of sequences share leading blocks: each group's
+    queries score the shared blocks in one product (the blocks are read once, not
+    once per member), then one softmax runs over [shared | own] scores of every
+    sequence (-inf where a sequence has no shared part), and the two value products
+    are summed. Exact: the same softmax as attending to each sequence's blocks."""
+    cfg = model.config
+    nkv, d = cfg.num_kv_heads, cfg.head_dim
+    g = cfg.num_heads // nkv
+    b = own_scores.shape[0] // nkv
+    blocked = (nkv, -1, bs * d)
+    width = max(group.blocks.shape[0] for group in batch.shared_prefixes) * bs
+    shared = torch.full(
+        (nkv, b, g, width), float("-inf"), dtype=own_scores.dtype, device=queries.device
+    )
+    parts = []
+    q4 = queries.view(nkv, b, g, d)
+    for group in batch.shared_prefixes:
+        rows = group.select
+        length = group.blocks.shape[0] * bs
+        keys = k_cache.view(blocked).index_select(1, group.blocks).view(nkv, length, d)
+        values = v_cache.view(blocked).index_select(1, group.blocks).view(nkv, length, d)
+        n = group.rows.shape[0]
+        scores = torch.bmm(q4[:, rows].reshape(nkv, n * g, d), keys.transpose(1, 2))
+        shared[:, rows, :, :length] = scores.view(nkv, n, g, length).mul_(d**-0.5)
+        parts.append((rows, n, length, values))
+    scores = torch.cat([shared.view(nkv * b, g, width), own_scores], dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(own_values.dtype)
+    out = torch.bmm(probs[..., width:], own_values).view(nkv, b, g, d)
+    probs4 = probs.view(nkv, b, g, width + own_scores.shape[-1])
+    for rows, n, length, values in parts:
+        weights = probs4[:, rows, :, :length].reshape(nkv, n * g, length)
+        out[:, rows] += torch.bmm(weights, values).view(nkv, n, g, d)
+    return out.transpose(0, 1).reshape(b, cfg.num_heads * d)
+
+
+class StepAttention:
+    """The attention of one forward pass: which path its layers take and the tensors
+    that path needs, built once for all layers (``model`` gives the native op, the
+    threads, the scratch buffer and the dtype)."""
+
+    def __init__(self, model: LlamaModel, batch: AttentionBatch, kv: PagedKVStore) -> None:
+        self.model, self.batch, self.kv = model, batch, kv
+        nkv, d = model.config.num_kv_heads, model.config.head_dim
+        device = batch.input_ids.device
+        native = model.native_decode if batch.decode_only and not batch.shared_prefixes else None
+        self.native = native
+        self.native_call: Any = _call
+        self.head_blocks: torch.Tensor | None = None
+        if native is not None:  # one op a layer, on all threads when it is large
+            context = batch.key_valid.numel() * nkv * d
+            self.native_call = model._heavy if context >= PARALLEL_GATHER_MIN else _call
+        else:  # rows of the context blocks in a layer's store as [(K, V heads) * blocks, ...]
+            head_offsets = torch.arange(2 * nkv, device=device)[:, None] * kv.num_blocks
+            self.head_blocks = (head_offsets + batch.context_blocks.view(1, -1)).view(-1)
+        self.decode_bias: torch.Tensor | None = None
+        if batch.decode_only and native is None:  # mask of missing context, for all layers
+            valid = batch.key_valid.repeat(nkv, 1)[:, None, :]  # (head, seq) major
+            # Few keys in all: attention runs in fp32 (bf16 batched products have a fixed
+            # cost on the CPU about 3x fp32's, which outweighs the conversions); the bias
+            # carries that choice to every layer in its dtype.
+            small = batch.key_valid.numel() <= FP32_ATTENTION_MAX_KEYS
+            dtype = torch.float32 if model._fp32_attention and small else model.dtype
+            self.decode_bias = torch.zeros(valid.shape, dtype=dtype, device=device)
+            self.decode_bias.masked_fill_(~valid, float("-inf"))
+
+    def __call__(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s attention of the queries ``q`` ``[T, heads, dim]`` (this
+        step's K/V already written) -> ``[T, heads * dim]``."""
+        model, batch, kv = self.model, self.batch, self.kv
+        if self.native is not None:
+            d = model.config.head_dim
+            return self.native_call(
+                self.native, q.contiguous(), kv.layers[layer], batch.context_blocks,
+                batch.context_lens, kv.block_size, d**-0.5, model.products.variant,
+            )  # fmt: skip
+        assert self.head_blocks is not None
+        if batch.decode is not None:
+            return attend_split(model, q, kv, layer, batch, self.head_blocks)
+        return attend(model, q, kv.layers[layer], batch, self.decode_bias, self.head_blocks)
