@@ -3,15 +3,10 @@
 Three ways to run a step (``Mode``): everything on one thread (``ONE``); the matrix
 products and large gathers on all threads and the many small ops between them on one
 (``SPLIT``); everything on all threads (``ALL``). Which is fastest depends on what else
-the machine is doing, so ``ThreadPolicy`` measures instead of guessing. Measured on 2
-cores (decode step at batch 1 / 8 / 32, 512-token prefill):
-
-- machine otherwise idle: ALL 13.2 / 30.7 / 62.2 ms, SPLIT 14.0 / 37.2 / 68.4 ms, ONE
-  17.2 / 38.7 / 87.6 ms; prefill ALL 474 ms, ONE 900 ms;
-- one busy process beside it: SPLIT 73 / 102 / 153 ms, ONE 17.5 / 39 / 89 ms; prefill
-  ALL 1,348 ms, ONE 898 ms: a worker thread waits for a core that is taken;
-- workers that never spin (``OMP_WAIT_POLICY=PASSIVE``), idle machine: SPLIT 19.2 /
-  35.3 / 65.2 ms, ALL worse for small steps: each small op pays for waking a worker.
+the machine is doing, so ``ThreadPolicy`` measures instead of guessing: on an idle
+machine ALL is fastest; with another busy process on a core, a worker thread waits for
+a core that is taken and ONE wins by far; with workers that never spin, each small op
+pays for waking one (the measurements: docs/performance.md, "Threads").
 
 Candidates: ALL, SPLIT and ONE for decode steps and small steps, ALL and ONE for larger
 prefill steps, per step kind (decode or not, and the size in powers of two; prefill
@@ -107,7 +102,7 @@ class ThreadPolicy:
         """The mode (not the best) to try now, if one is due. A mode that keeps proving
         much slower (over 1.5x the best) is tried at doubling intervals, up to 16x
         ``explore_every``, so that exploring costs little when the choice is clear
-        (another process on a core: SPLIT 73 ms a step against ONE's 17.5)."""
+        (another process on a core makes SPLIT several times slower than ONE)."""
         for mode in others:
             if mode not in kind.next_try:
                 kind.interval[mode] = self.explore_every
