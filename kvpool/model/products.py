@@ -95,9 +95,8 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ops = native_ops()
         policy = self.policy
-        y = ops.quant_matmul(x, self.raws, self.types, policy.mode(x.shape[0]), policy.variant)
-        if x.dtype != torch.float32 and not self.float_out:
-            y = y.to(x.dtype)
+        mode = policy.mode(x.shape[0])
+        y = ops.quant_matmul(x, self.raws, self.types, mode, policy.variant, not self.float_out)
         return y if self.bias is None else y + self.bias
 
     def numel(self) -> int:

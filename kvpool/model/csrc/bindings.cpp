@@ -16,7 +16,8 @@ at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype, const c10::optional<
 int64_t quant_packed_bytes(int64_t qtype, int64_t rows, int64_t k);
 bool quant_packs(int64_t qtype, const std::string& isa);
 at::Tensor quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& parts,
-                        const std::vector<int64_t>& types, int64_t mode, const std::string& isa);
+                        const std::vector<int64_t>& types, int64_t mode, const std::string& isa,
+                        bool same_dtype);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -37,6 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_packs", &quant_packs, "whether these kernels multiply the packed layout of a type",
         py::arg("qtype"), py::arg("variant") = "");
   m.def("quant_matmul", &quant_matmul,
-        "x [M, K] times the stacked quantized parts transposed: float32 [M, rows]", py::arg("x"),
-        py::arg("parts"), py::arg("types"), py::arg("mode") = 0, py::arg("variant") = "");
+        "x [M, K] times the stacked quantized parts transposed: [M, rows], float32 (or x's "
+        "dtype with same_dtype)", py::arg("x"), py::arg("parts"), py::arg("types"),
+        py::arg("mode") = 0, py::arg("variant") = "", py::arg("same_dtype") = false);
 }

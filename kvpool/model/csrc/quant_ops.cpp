@@ -3,7 +3,11 @@
 // the architecture, not for the machine that built it).
 //
 // quant_matmul(x [M, K], parts, ...) computes x W^T for W the rows of every part stacked
-// (a fused QKV or gate/up of parts that may differ in format): float32 [M, sum of rows].
+// (a fused QKV or gate/up of parts that may differ in format): float32 [M, sum of rows],
+// or in x's dtype with same_dtype (rounded once, at the end). A decode step makes a
+// hundred or more of these calls with a few KB each: the activations' float32 copy, their
+// int8 blocks and a bf16 product's float32 sums live in per-thread scratch buffers, not
+// in tensors allocated (and converted through the dispatcher) per call.
 //   mode 0: integer products where the kernels have them for a part's format
 //           (activations quantized to int8 per block of 32, as llama.cpp does);
 //   mode 1: float products: weights dequantized (in tiles, per thread) and multiplied
@@ -156,8 +160,34 @@ at::Tensor quant_dequantize(const at::Tensor& raw, int64_t qtype, int64_t k, con
   return out;
 }
 
+// Calls this small (elements of the activations or the output) use per-thread scratch
+// buffers that only grow (up to 1 MiB of floats each: decode steps); larger ones
+// (prefill) allocate, which their size amortizes, and keep nothing.
+constexpr int64_t kScratchMax = 1 << 18;
+
+// A buffer of n elements: the calling thread's scratch (owned by it for one call; the
+// worker threads of that call only read or write inside it), or ``keep``'s when large.
+template <class T>
+T* buffer_for(std::vector<T>& scratch, at::Tensor& keep, int64_t n, at::ScalarType type) {
+  if (n > kScratchMax) {
+    keep = at::empty({n}, at::TensorOptions().dtype(type));
+    return keep.data_ptr<T>();
+  }
+  if (static_cast<int64_t>(scratch.size()) < n) scratch.resize(n);
+  return scratch.data();
+}
+
+// dst[i] = src[i] converted, over the threads when large.
+template <class S, class D>
+void convert(const S* src, D* dst, int64_t n) {
+  at::parallel_for(0, n, 1 << 15, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dst[i] = static_cast<D>(src[i]);
+  });
+}
+
 at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& parts_in,
-                        const std::vector<int64_t>& types, int64_t mode, const std::string& isa) {
+                        const std::vector<int64_t>& types, int64_t mode, const std::string& isa,
+                        bool same_dtype) {
   TORCH_CHECK(x_in.dim() == 2, "x: [rows, K]");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
               "x: float32 or bfloat16");
@@ -166,30 +196,41 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   const auto parts = check_parts(parts_in, types, k);
   const int64_t n_total = parts.back().offset + parts.back().rows;
   const QuantKernels* t = table(isa);
-  const auto x = x_in.to(at::kFloat).contiguous();
-  const bool bf16_tiles = mode == 2 && x.size(0) >= kGemmRows;
+  static thread_local std::vector<float> x_scratch, y_scratch, d_scratch;
+  static thread_local std::vector<int8_t> q_scratch;
+  const bool bf16_in = x_in.scalar_type() == at::kBFloat16;
+  const bool bf16_out = same_dtype && bf16_in;
+  const bool bf16_tiles = mode == 2 && m >= kGemmRows;
   const auto x16 = bf16_tiles ? x_in.to(at::kBFloat16).contiguous() : at::Tensor();
-  auto y = at::empty({m, n_total}, x.options());
+  auto y = at::empty({m, n_total}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (m == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  // The activations in float32: x itself, or its bf16 values widened into scratch.
+  const float* xp;
+  at::Tensor x_keep, y_keep, q_keep, d_keep;
+  if (bf16_in) {
+    const auto xc = x_in.contiguous();
+    float* dst = buffer_for(x_scratch, x_keep, m * k, at::kFloat);
+    convert(xc.data_ptr<at::BFloat16>(), dst, m * k);
+    xp = dst;
+  } else {
+    x_keep = x_in.contiguous();
+    xp = x_keep.data_ptr<float>();
+  }
+  // The float32 sums: y itself, or a buffer rounded into y at the end (as .to() rounds).
+  float* yp = bf16_out ? buffer_for(y_scratch, y_keep, m * n_total, at::kFloat)
+                       : y.data_ptr<float>();
 
   auto integer_for = [&](const Part& p) {
     return mode == 0 && (p.packed ? t->has_packed_dot(p.type) : t->has_int_dot(p.type));
   };
   bool any_int = false;
   for (const auto& p : parts) any_int |= integer_for(p);
-  at::Tensor q8, q8d, q8ds, q8dsh;
   kvp::Q8Rows act{nullptr, nullptr, nullptr, nullptr, k};
   if (any_int) {
-    q8 = at::empty({m, k}, at::kChar);
-    q8d = at::empty({m, k / 32}, at::kFloat);
-    q8ds = at::empty({m, k / 32}, at::kFloat);
-    q8dsh = at::empty({m, k / 16}, at::kFloat);
-    int8_t* q = q8.data_ptr<int8_t>();
-    float* d = q8d.data_ptr<float>();
-    float* ds = q8ds.data_ptr<float>();
-    float* dsh = q8dsh.data_ptr<float>();
+    int8_t* q = buffer_for(q_scratch, q_keep, m * k, at::kChar);
+    float* d = buffer_for(d_scratch, d_keep, m * (k / 32) * 2 + m * (k / 16), at::kFloat);
+    float* ds = d + m * (k / 32);  // then ds, then dsh
+    float* dsh = ds + m * (k / 32);
     at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
       t->quantize_rows(xp + begin * k, end - begin, k, q + begin * k, d + begin * (k / 32),
                        ds + begin * (k / 32), dsh + begin * (k / 16));
@@ -222,7 +263,7 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
         yt.copy_(at::mm(x16, wt.t()));
       } else if (m >= kGemmRows) {
         auto wt = at::from_blob(buffer.data(), {task.rows, k}, at::kFloat);
-        auto xt = at::from_blob(const_cast<float*>(xp), {m, k}, at::kFloat);
+        auto xt = at::from_blob(const_cast<float*>(xp), {m, k}, at::kFloat);  // (no copy)
         auto yt = at::from_blob(out, {m, task.rows}, {n_total, 1}, at::kFloat);
         at::mm_out(yt, xt, wt.t());
       } else {
@@ -250,5 +291,6 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
       }
     }
   });
+  if (bf16_out) convert(yp, y.data_ptr<at::BFloat16>(), m * n_total);
   return y;
 }
