@@ -1,7 +1,7 @@
 // The small ops around a layer's matrix products, fused: torch runs each of them as
 // several kernels with a fixed cost of a few microseconds, which at one decoded token is
-// most of their time (measured per layer at one row, bf16: residual add + RMSNorm 15 ->
-// 3 us; rotary of Q and K + the K/V writes 29 -> 1.5 us).
+// most of their time (the measurements: docs/performance.md, "Measurements behind design
+// choices").
 //
 // Each computes what the torch path computes, rounded to the tensor's dtype at the same
 // points, so bf16 results are bit-identical to it (the RMSNorm's sum of squares may add
