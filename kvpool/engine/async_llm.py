@@ -30,7 +30,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
-from kvpool.engine.engine import Engine
+from kvpool.engine.engine import PIN_PARAMS, Engine
 from kvpool.engine.errors import EngineStopped, RequestFailed
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling import SamplingParams
@@ -184,7 +184,7 @@ class AsyncLLM:
         route = self._hand_over(
             request_id,
             ids,
-            SamplingParams(max_tokens=1),
+            PIN_PARAMS,
             lambda: self.engine.pin_prefix(
                 ids, salt=salt, shared=shared, max_salt_blocks=max_salt_blocks,
                 request_id=request_id,

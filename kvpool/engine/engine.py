@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from kvpool.cache import CacheError, CacheStats, KVCacheManager, Policy
+from kvpool.cache import CacheError, CacheStats, KVCacheManager, PinInfo, Policy
 from kvpool.engine.config import DEFAULTS, EngineConfig
 from kvpool.engine.errors import (
     InvalidTokens,
@@ -40,7 +40,7 @@ from kvpool.model.tokenizer import Tokenizer
 log = logging.getLogger("kvpool.engine")
 
 # A pin request computes its prefix and one token, whatever the model says.
-_PIN_PARAMS = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+PIN_PARAMS = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
 class Engine:
@@ -67,7 +67,9 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         **changes: object,
     ) -> None:
-        config = (config or DEFAULTS).replace(**changes) if changes else (config or DEFAULTS)
+        config = config or DEFAULTS
+        if changes:
+            config = config.replace(**changes)
         compute = str(model.dtype).removeprefix("torch.")
         if config.kv_cache_dtype not in ("auto", compute):
             raise ValueError(
@@ -105,6 +107,8 @@ class Engine:
         # Prefixes (pinned system prompts) that every tenant may share: a salted request
         # starting with one looks its blocks up without its salt.
         self._shared_prefixes: set[tuple[int, ...]] = set()
+        # What snapshots say of pins, refreshed when a pin changes (not every step).
+        self._pins: tuple[PinInfo, ...] = ()
         self._pins_by_salt: dict[str | None, tuple[int, int]] = {}  # pins, pinned blocks
         self._ids = itertools.count()
         self._steps = 0
@@ -164,7 +168,7 @@ class Engine:
         its blocks. ``max_salt_blocks``: the blocks this salt's pins may hold together."""
         order = PinOrder(shared=shared, max_salt_blocks=max_salt_blocks)
         ids = list(prefix_ids)
-        return self._add(ids, _PIN_PARAMS, request_id, None if shared else salt, order).request_id
+        return self._add(ids, PIN_PARAMS, request_id, None if shared else salt, order).request_id
 
     def _add(
         self,
@@ -267,9 +271,10 @@ class Engine:
         return dropped
 
     def _pins_changed(self) -> None:
-        """Refresh what snapshots say of pins per salt (only pin commands change it)."""
+        """Refresh what snapshots say of pins (only pin commands change them)."""
+        self._pins = tuple(self._manager.pins())
         self._pins_by_salt = {}
-        for pin in self._manager.pins():
+        for pin in self._pins:
             salt = pin.salt.decode() or None
             count, _ = self._pins_by_salt.get(salt, (0, 0))
             self._pins_by_salt[salt] = (count + 1, self._manager.pinned_blocks_of(salt))
@@ -479,7 +484,7 @@ class Engine:
             max_pinned_blocks=manager.pool.max_pinned_blocks,
             expected_output=scheduler.expected_output,
             tenants=tenants,
-            pins=tuple(manager.pins()),
+            pins=self._pins,
         )
 
     def _new_sample(self, request: Request, index: int) -> Request:

@@ -76,13 +76,14 @@ class OutputProcessor:
     def __init__(self, decode: Decode | None, on_stop: Callable[[Request], None]) -> None:
         self._decode = decode
         self._on_stop = on_stop
-        self._texts: dict[int, TextStream] = {}  # by id(request), while it runs
-        self._sent: dict[int, int] = {}  # output tokens already reported, by id(request)
+        # per sample (request id, index), while it runs
+        self._texts: dict[tuple[str, int], TextStream] = {}
+        self._sent: dict[tuple[str, int], int] = {}  # output tokens already reported
 
     def process(
         self, request: Request, pinned: int | None = None, now: float = 0.0
     ) -> RequestOutput:
-        key = id(request)
+        key = (request.request_id, request.index)
         finished = request.status is Status.FINISHED
         text = ""
         if self._decode is not None and request.finish_reason != "error":
@@ -117,8 +118,9 @@ class OutputProcessor:
 
     def forget(self, request: Request) -> None:
         """Drop the state of a sample that ended outside a step (an abort)."""
-        self._texts.pop(id(request), None)
-        self._sent.pop(id(request), None)
+        key = (request.request_id, request.index)
+        self._texts.pop(key, None)
+        self._sent.pop(key, None)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.engine.async_llm import AsyncLLM, RequestStream
+from kvpool.engine.errors import InvalidTokens
 from kvpool.engine.sampling import SamplingParams
 from kvpool.engine.snapshot import EngineSnapshot
 from kvpool.formats.gguf_header import read_gguf_header
@@ -136,14 +137,11 @@ class ServedModel:
 
     def check_tokens(self, ids: list[int], field: str) -> list[int]:
         """``ids`` if every one is in the vocabulary; else a 400 naming the field and the
-        valid range (the engine checks again before it queues anything)."""
-        vocab = self.vocab_size
-        for i, token in enumerate(ids):
-            if type(token) is not int or not 0 <= token < vocab:
-                raise bad_request(
-                    f"{field}: token ids must be integers in [0, {vocab}); "
-                    f"got {token!r} at position {i}"
-                )
+        valid range (the engine's own check, which it runs again before it queues)."""
+        try:
+            self.llm.engine.check_tokens(ids)
+        except InvalidTokens as exc:
+            raise bad_request(f"{field}: {exc}") from None
         return ids
 
     def details(self) -> dict[str, Any]:
