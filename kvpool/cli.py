@@ -20,12 +20,22 @@ def _bench(args: argparse.Namespace) -> int:
         names = tuple(args.workloads) if args.workloads else engine.ALL
         print(
             engine.run(
-                requests=args.requests,
+                requests=args.requests or 64,
                 names=names,
                 block_sizes=tuple(args.block_sizes),
                 plot=args.plot,
             )
         )
+        return 0
+    if args.what == "kv-dtype":
+        from kvpool.bench import kv_dtype
+
+        print(kv_dtype.run((args.kv_cache_memory or 32) * 2**20, args.requests or 32))
+        return 0
+    if args.what == "kv-tier":
+        from kvpool.bench import kv_tier
+
+        print(kv_tier.run((args.kv_cache_memory or 16) * 2**20, args.requests or 32))
         return 0
     if args.what == "serve":
         from kvpool.bench import serve
@@ -35,9 +45,9 @@ def _bench(args: argparse.Namespace) -> int:
                 urls=args.url,
                 local=args.local if args.local is not None else ([] if args.url else ["kvpool"]),
                 names=args.workloads or ["shared-prefix", "distinct", "chat"],
-                requests=args.requests,
+                requests=args.requests or 64,
                 clients=args.clients,
-                kv_cache_memory=args.kv_cache_memory,
+                kv_cache_memory=args.kv_cache_memory or 256,
                 model=args.model,
                 api_key=args.api_key,
             )
@@ -118,13 +128,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark and print its table")
     bench.add_argument(
         "what",
-        choices=["cache", "model", "engine", "serve", "synth-model"],
+        choices=["cache", "model", "engine", "kv-dtype", "kv-tier", "serve", "synth-model"],
         help="cache: the block manager's own cost; model: the runtime beside transformers "
         "and llama.cpp; engine: workloads with prefix caching on/off and the static policy; "
         "serve: the workloads over HTTP against kvpool and/or other servers; synth-model: "
-        "write a random-weight GGUF file with a real model's geometry and quant mix",
+        "write a random-weight GGUF file with a real model's geometry and quant mix; "
+        "kv-dtype: KV block dtypes' quality against float32 and capacity on a small budget; "
+        "kv-tier: the second KV tier's time to first token and workloads with it on/off",
     )
-    bench.add_argument("--requests", type=int, default=64, help="engine: requests per workload")
+    bench.add_argument(
+        "--requests", type=int, default=None,
+        help="engine, serve: requests per workload (default 64); kv-dtype: 32",
+    )  # fmt: skip
     bench.add_argument(
         "--dtype", default=None, choices=["float32", "bfloat16"], help="default: measured"
     )
@@ -143,7 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine: shared-prefix distinct chat prefix-length block-size (default: all); "
         "serve: shared-prefix distinct chat (default: all)",
     )  # fmt: skip
-    bench.add_argument("--kv-cache-memory", type=int, default=256, metavar="MiB")
+    bench.add_argument(
+        "--kv-cache-memory", type=int, default=None, metavar="MiB",
+        help="serve: the pool of the servers it starts (default 256); kv-dtype: 32",
+    )  # fmt: skip
     bench.add_argument(
         "--rounds", type=int, default=3, help="model: alternating rounds of both sides"
     )

@@ -29,7 +29,9 @@ def fp32_model(default_model_file):
 
     quantized = native_ops() is not None
     config, weights = load_gguf_weights(default_model_file, quantized=quantized)
-    return LlamaModel(config, weights, torch.device("cpu"), torch.float32)
+    model = LlamaModel(config, weights, torch.device("cpu"), torch.float32)
+    model.source_path = default_model_file  # as load_model sets it (a disk KV tier's key)
+    return model
 
 
 @pytest.fixture(scope="session")

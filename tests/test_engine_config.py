@@ -29,6 +29,7 @@ def test_every_field_is_reachable_from_kvpool_serve():
         "--kv-cache-memory", "64", "--block-size", "32", "--kv-cache-dtype", "float32",
         "--max-batch-tokens", "512", "--max-running", "8", "--watermark", "0.05",
         "--policy", "static", "--no-prefix-caching", "--seed", "7", "--max-queue", "9",
+        "--kv-offload", "/tmp/tier", "--kv-offload-size", "64",
     )  # fmt: skip
     config = from_args(args, max_queue=args.max_queue)
     assert config == EngineConfig(
@@ -42,7 +43,11 @@ def test_every_field_is_reachable_from_kvpool_serve():
         enable_prefix_caching=False,
         seed=7,
         max_queue=9,
+        kv_offload_dir="/tmp/tier",
+        kv_offload_size=64 * MiB,
     )
+    memory = from_args(serve_args("--kv-offload-memory", "32"))
+    assert memory.kv_offload_memory == 32 * MiB and memory.kv_offload_dir is None
     # every field but num_blocks (the pool in blocks, for tests and benchmarks) differs
     # from its default: each has its flag
     differ = {
@@ -50,7 +55,9 @@ def test_every_field_is_reachable_from_kvpool_serve():
         for f in dataclasses.fields(EngineConfig)
         if getattr(config, f.name) != getattr(DEFAULTS, f.name)
     }
-    assert differ == {f.name for f in dataclasses.fields(EngineConfig)} - {"num_blocks"}
+    # (and kv_offload_memory, the other kind of tier: checked above)
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert differ == fields - {"num_blocks", "kv_offload_memory"}
 
 
 @pytest.mark.parametrize(
@@ -64,6 +71,8 @@ def test_every_field_is_reachable_from_kvpool_serve():
         {"kv_cache_dtype": "int3"},
         {"num_blocks": 0},
         {"max_queue": -2},
+        {"kv_offload_dir": "/tmp/t", "kv_offload_memory": 1 << 20},
+        {"kv_offload_memory": 0},
     ],
 )
 def test_bad_settings_are_refused(bad):
@@ -83,10 +92,12 @@ def test_the_simulator_replays_the_engines_policies():
     assert Strategy.PAGED_PREFIX.policy is Policy.PAGED and Strategy.PAGED_PREFIX.prefix_caching
 
 
-def test_a_kv_dtype_other_than_the_compute_dtype_is_refused_for_now(fp32_model):
+def test_a_kv_dtype_other_than_the_compute_dtype_holds_its_own_bytes(fp32_model):
     pytest.importorskip("torch")
     from kvpool.engine.engine import Engine
 
-    with pytest.raises(ValueError, match="compute dtype"):
-        Engine(fp32_model, num_blocks=8, kv_cache_dtype="bfloat16")
-    assert Engine(fp32_model, num_blocks=8, kv_cache_dtype="float32").num_blocks == 8
+    fp32 = Engine(fp32_model, kv_cache_memory=8 * MiB, kv_cache_dtype="float32")
+    bf16 = Engine(fp32_model, kv_cache_memory=8 * MiB, kv_cache_dtype="bfloat16")
+    assert (fp32.kv_cache_dtype, bf16.kv_cache_dtype) == ("fp32", "bf16")
+    assert bf16.kv_bytes_per_block * 2 == fp32.kv_bytes_per_block
+    assert bf16.num_blocks in (2 * fp32.num_blocks, 2 * fp32.num_blocks + 1)

@@ -92,20 +92,24 @@ CONFIGS = (
 )
 
 
-def _engine(loaded: LoadedModel, policy: str, prefix: bool, num_blocks: int, bs: int) -> Engine:
+def _engine(loaded: LoadedModel, policy: str, prefix: bool, num_blocks: int, bs: int,
+            kv_cache_dtype: str = "auto", **settings: object) -> Engine:  # fmt: skip
     config = EngineConfig(
         num_blocks=num_blocks,
         block_size=bs,
         enable_prefix_caching=prefix,
         policy=Policy(policy),
         seed=0,
+        kv_cache_dtype=kv_cache_dtype,
+        **settings,  # type: ignore[arg-type]
     )
     return Engine(loaded.model, config, tokenizer=loaded.tokenizer)
 
 
 def run_one(loaded: LoadedModel, w: Workload, label: str, policy: str, prefix: bool,
-            num_blocks: int, block_size: int) -> Row:  # fmt: skip
-    engine = _engine(loaded, policy, prefix, num_blocks, block_size)
+            num_blocks: int, block_size: int, kv_cache_dtype: str = "auto",
+            **settings: object) -> Row:  # fmt: skip
+    engine = _engine(loaded, policy, prefix, num_blocks, block_size, kv_cache_dtype, **settings)
     start = time.perf_counter()
     sent: dict[str, float] = {}
     first: dict[str, float] = {}
@@ -150,6 +154,7 @@ def run_one(loaded: LoadedModel, w: Workload, label: str, policy: str, prefix: b
             waste += stats.waste_slots_internal / (stats.used_blocks * block_size)
             steps += 1
     wall = time.perf_counter() - start
+    engine.close()
     ttft = sorted(first.values())
     return Row(
         w.name, label, wall, output_tokens / wall, prompt_tokens - cached, cached,

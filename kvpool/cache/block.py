@@ -38,6 +38,7 @@ class Block:
         "content_id",
         "parent_content_id",
         "salt",
+        "digest",
         "indexed",
         "next_same_hash",
         "prev_free",
@@ -53,6 +54,7 @@ class Block:
         self.content_id = -1
         self.parent_content_id = -1
         self.salt = b""
+        self.digest: bytes | None = None  # the prefix digest, where a second tier is kept
         self.indexed = False
         self.next_same_hash: Block | None = None  # collision chain inside the prefix index
         self.prev_free: Block | None = None
@@ -65,6 +67,7 @@ class Block:
         self.content_id = -1
         self.parent_content_id = -1
         self.salt = b""
+        self.digest = None
 
     def __repr__(self) -> str:
         return (

@@ -16,6 +16,8 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvpool.cache.block import Block, FreeBlockQueue
 from kvpool.cache.hashing import BlockHash
 from kvpool.cache.prefix_index import PrefixIndex
@@ -41,6 +43,9 @@ class BlockPool:
         self.filled_slots_used = 0  # tokens held by in-use blocks
         self.num_empty_used = 0  # in-use blocks holding no token yet (reserved ahead)
         self.evictions = 0
+        # Called with each cached block take_new evicts, before its content is forgotten
+        # (the manager hands it to a second tier).
+        self.on_evict: Callable[[Block], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -55,6 +60,8 @@ class BlockPool:
         for _ in range(n):
             block = self.free_queue.pop_head()
             if block.indexed:
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 self.index.remove(block)
                 self.num_cached -= 1
                 self.evictions += 1

@@ -16,14 +16,28 @@ KV_DTYPE_BYTES: dict[str, float] = {
     "bf16": 2.0,
     "q8_0": 34 / 32,  # ggml q8_0: 32 int8 values + one fp16 scale per 32 elements
 }
+# kvpool's int8 KV blocks: a row of head_dim int8 values per (token, KV head) and a
+# float16 scale per 32 of them (kvpool.model.kv_store): head_dim + 2 ceil(head_dim / 32)
+# bytes a row, q8_0's 34 / 32 bytes an element where head_dim is a multiple of 32.
+INT8_GROUP = 32
 
 
-def kv_dtype_bytes(name: str) -> float:
-    """Bytes per KV element for a dtype name (``fp16``, ``bf16``, ``fp32``, ``q8_0``)."""
+def int8_row_bytes(head_dim: int) -> int:
+    """Bytes of one (token, KV head) row of an int8 KV store: values, then scales."""
+    return head_dim + 2 * -(-head_dim // INT8_GROUP)
+
+
+def kv_dtype_bytes(name: str, head_dim: int | None = None) -> float:
+    """Bytes per KV element for a dtype name (``fp16``, ``bf16``, ``fp32``, ``q8_0``,
+    ``int8``: the runtime's int8 rows, which need ``head_dim`` for their scales' share)."""
+    if name.lower() == "int8":
+        if head_dim is None or head_dim <= 0:
+            raise ValueError("int8 KV bytes per element depend on the head dim; give head_dim")
+        return int8_row_bytes(head_dim) / head_dim
     try:
         return KV_DTYPE_BYTES[name.lower()]
     except KeyError:
-        known = ", ".join(sorted(KV_DTYPE_BYTES))
+        known = ", ".join(sorted([*KV_DTYPE_BYTES, "int8"]))
         raise ValueError(f"unknown KV dtype {name!r}; known: {known}") from None
 
 

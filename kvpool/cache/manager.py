@@ -13,6 +13,12 @@ Contract with the runtime:
 - Every call either succeeds whole or raises with the manager unchanged (``OutOfBlocks``
   is checked before anything is taken).
 - The manager is not thread-safe: one owner (the engine's scheduler) calls it.
+- With a second tier (``tier``), evicted cached blocks and blocks found in the tier
+  become ``TierEvent``s, in the order they happened: the runtime takes them
+  (``take_tier_events``) before its next forward pass and, in that order, copies an
+  evicted block's bytes out to the tier or a found block's bytes into the pool. A block
+  found in the tier is indexed and counted as cached at once (its bytes were verified
+  when found), so the events must be applied before any step reads the blocks.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from kvpool.cache.errors import (
 from kvpool.cache.geometry import ModelGeometry
 from kvpool.cache.hashing import BlockHash, HashFn, Salt, hash_block, salt_bytes
 from kvpool.cache.stats import CacheStats
+from kvpool.cache.tier import ROOT_DIGEST, KVTier, prefix_digest
 
 SeqId = int | str
 
@@ -53,6 +60,20 @@ class PinInfo:
     salt: bytes
     token_ids: tuple[int, ...]
     num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierEvent:
+    """For the runtime, in order: ``payload is None``: block ``block_id`` was evicted
+    from the pool holding the prefix ``digest`` (its bytes go to the tier, under that
+    digest, salt and tokens); otherwise ``payload`` (found in the tier, verified) goes
+    into block ``block_id``."""
+
+    block_id: int
+    digest: bytes
+    salt: bytes
+    token_ids: tuple[int, ...]
+    payload: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -79,6 +100,8 @@ class KVCacheManager:
         max_pinned_fraction: share of the pool that pins may hold at most.
         geometry: the model's KV geometry, for byte figures in ``stats``.
         hash_fn: the block key function (tests inject a weak one).
+        tier: a second tier (``kvpool.cache.tier``): evicted cached blocks are offered
+            to it and prefix lookups continue into it (see ``TierEvent``).
     """
 
     def __init__(
@@ -90,6 +113,7 @@ class KVCacheManager:
         max_pinned_fraction: float = 0.5,
         geometry: ModelGeometry | None = None,
         hash_fn: HashFn = hash_block,
+        tier: KVTier | None = None,
     ) -> None:
         if not 0.0 <= max_pinned_fraction <= 1.0:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction}")
@@ -106,6 +130,80 @@ class KVCacheManager:
         self._query_tokens = 0
         self._hit_tokens = 0
         self._cow_copies = 0
+        self.tier = tier if enable_prefix_caching else None
+        self._tier_events: list[TierEvent] = []
+        self._tier_hit_tokens = 0
+        if self.tier is not None:
+            self.pool.on_evict = self._on_evict
+
+    # -- the second tier ---------------------------------------------------------------
+    def take_tier_events(self) -> list[TierEvent]:
+        """The tier's work since the last call, in order (see ``TierEvent``)."""
+        events, self._tier_events = self._tier_events, []
+        return events
+
+    def offer_all_to_tier(self) -> None:
+        """Every indexed block (cached, in use or pinned) as an eviction event, least
+        recently used first: at shutdown, so what the pool holds outlives the process."""
+        if self.tier is None:
+            return
+        cached = [b for b in self.pool.free_queue if b.indexed]
+        held = [b for b in self.pool.blocks if b.indexed and b.ref_count > 0]
+        for block in cached + held:
+            self._on_evict(block)
+
+    def detach_tier(self) -> None:
+        """Work without the tier from now on (it was closed)."""
+        self.tier = None
+        self.pool.on_evict = None
+        self._tier_events = []
+
+    @property
+    def tier_hit_tokens(self) -> int:
+        """Prompt tokens found in the tier (loaded, not computed) since the start."""
+        return self._tier_hit_tokens
+
+    def _on_evict(self, block: Block) -> None:
+        if block.digest is not None:
+            self._tier_events.append(
+                TierEvent(block.block_id, block.digest, block.salt, tuple(block.token_ids))
+            )
+
+    def _match_tier(
+        self,
+        tokens: list[int],
+        salt: bytes,
+        hits: list[Block],
+        keys: list[BlockHash],
+        max_blocks: int,
+        public_blocks: int,
+        *,
+        fetch: bool = True,
+    ) -> list[tuple[list[int], BlockHash, bytes, bytes, bytes | None]]:
+        """The blocks after the pool's ``hits`` found in the tier, in a row: ``(tokens,
+        key, digest, salt, payload)`` each (payloads fetched and verified, or None
+        without ``fetch``). ``keys`` grows by the keys hashed here."""
+        tier = self.tier
+        if tier is None or len(hits) >= max_blocks:
+            return []
+        bs = self.block_size
+        digest = hits[-1].digest if hits else ROOT_DIGEST  # it chains the whole prefix
+        if digest is None:  # (a block cached before the tier was there)
+            return []
+        found: list[tuple[list[int], BlockHash, bytes, bytes, bytes | None]] = []
+        for i in range(len(hits), max_blocks):
+            chunk = tokens[i * bs : (i + 1) * bs]
+            block_salt = b"" if i < public_blocks else salt
+            digest = prefix_digest(digest, block_salt, chunk)
+            if i >= len(keys):
+                keys.append(self._hash(keys[i - 1] if i else None, block_salt, chunk))
+            if not tier.contains(digest):
+                break
+            payload = tier.fetch(digest, block_salt, chunk) if fetch else None
+            if fetch and payload is None:
+                break
+            found.append((chunk, keys[i], digest, block_salt, payload))
+        return found
 
     # -- queries -----------------------------------------------------------------------
     @property
@@ -150,8 +248,10 @@ class KVCacheManager:
         tokens = list(token_ids)
         max_blocks = (len(tokens) - 1) // self.block_size
         public = public_tokens // self.block_size
-        hits, _ = self._match_prefix(tokens, salt_bytes(salt), max_blocks, public)
-        return len(hits) * self.block_size
+        salt_b = salt_bytes(salt)
+        hits, keys = self._match_prefix(tokens, salt_b, max_blocks, public)
+        tiered = self._match_tier(tokens, salt_b, hits, keys, max_blocks, public, fetch=False)
+        return (len(hits) + len(tiered)) * self.block_size
 
     # -- sequence lifecycle --------------------------------------------------------------
     def allocate(
@@ -190,8 +290,11 @@ class KVCacheManager:
         public = public_tokens // bs if salt_b else 0
         hits: list[Block] = []
         keys: list[BlockHash] = []
+        tiered: list[tuple[list[int], BlockHash, bytes, bytes, bytes | None]] = []
         if self.enable_prefix_caching:
-            hits, keys = self._match_prefix(tokens, salt_b, (len(tokens) - 1) // bs, public)
+            max_blocks = (len(tokens) - 1) // bs
+            hits, keys = self._match_prefix(tokens, salt_b, max_blocks, public)
+            tiered = self._match_tier(tokens, salt_b, hits, keys, max_blocks, public)
         num_new = self.blocks_needed(max(len(tokens), reserve_tokens)) - len(hits)
         available = self.pool.num_free - sum(1 for block in hits if block.ref_count == 0)
         if num_new + keep_free > available:
@@ -205,12 +308,26 @@ class KVCacheManager:
             chunk = tokens[start + i * bs : start + (i + 1) * bs]
             if chunk:
                 self.pool.write_tokens(block, chunk)
-        num_cached = len(hits) * bs
+        # Blocks found in the tier: cached at once, their bytes loaded before the next step.
+        parent = hits[-1] if hits else None
+        for block, (chunk, key, digest, block_salt, payload) in zip(
+            new_blocks, tiered, strict=False
+        ):
+            parent_cid = parent.content_id if parent is not None else -1
+            self.pool.cache_full_block(block, key, parent_cid, block_salt)
+            block.digest = digest
+            assert payload is not None
+            self._tier_events.append(
+                TierEvent(block.block_id, digest, block_salt, tuple(chunk), payload)
+            )
+            parent = block
+        num_cached = (len(hits) + len(tiered)) * bs
+        self._tier_hit_tokens += len(tiered) * bs
         seq = _Sequence(
             blocks=hits + new_blocks,
             num_tokens=len(tokens),
             num_computed=len(tokens) if computed else num_cached,
-            num_hashed_blocks=len(hits),
+            num_hashed_blocks=len(hits) + len(tiered),
             salt=salt_b,
             lookup_keys=keys,
             public_blocks=public,
@@ -442,6 +559,10 @@ class KVCacheManager:
                 key = self._hash(parent_key, seq.salt_of(i), block.token_ids)
             parent_cid = parent.content_id if parent is not None else -1
             self.pool.cache_full_block(block, key, parent_cid, seq.salt_of(i))
+            if self.tier is not None:
+                parent_digest = parent.digest if parent is not None else ROOT_DIGEST
+                if parent_digest is not None:
+                    block.digest = prefix_digest(parent_digest, seq.salt_of(i), block.token_ids)
             seq.num_hashed_blocks = i + 1
         if seq.num_hashed_blocks >= len(seq.lookup_keys):
             seq.lookup_keys = []

@@ -126,6 +126,8 @@ class AsyncLLM:
             self._thread.join(timeout)
         self._stopped.set()
         self._drain_stopped()
+        if not self._thread.is_alive():
+            self.engine.close()  # the tier's last writes
 
     # -- requests ------------------------------------------------------------------------
     async def submit(
@@ -203,10 +205,10 @@ class AsyncLLM:
         ids = list(prompt_ids)
         await self._call(lambda: self.engine.unpin_prefix(ids, salt=salt, shared=shared))
 
-    async def reset_prefix_cache(self, *, unpin: bool = False) -> int:
+    async def reset_prefix_cache(self, *, unpin: bool = False, tier: bool = False) -> int:
         """Drop every cached block that no request holds and no pin keeps; returns how
-        many were dropped. ``unpin``: drop every pin first."""
-        return await self._call(lambda: self.engine.reset_prefix_cache(unpin=unpin))
+        many were dropped. ``unpin``: drop every pin first; ``tier``: empty the tier."""
+        return await self._call(lambda: self.engine.reset_prefix_cache(unpin=unpin, tier=tier))
 
     async def stats(self) -> EngineSnapshot:
         """A fresh snapshot, taken on the engine thread between steps."""

@@ -15,8 +15,10 @@ from kvpool.cache import Policy
 
 MiB = 2**20
 
-# What "auto" KV dtypes resolve to: the model's compute dtype.
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# KV block dtypes: "auto" is the model's compute dtype; int8 holds a scale per (token,
+# KV head) beside the values (kvpool.model.kv_store). The long names are aliases.
+KV_CACHE_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8")
+_KV_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int | None = None  # the sampler's seed for requests that give none
     max_queue: int | None = None  # waiting requests at most (QueueFull past it); None: no bound
+    # A second KV tier (kvpool.cache.tier): evicted cached blocks kept in files under
+    # this directory (kept across restarts) ...
+    kv_offload_dir: str | None = None
+    kv_offload_size: int = 4096 * MiB  # ... up to this many bytes
+    kv_offload_memory: int | None = None  # or in host memory, this many bytes
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", Policy(self.policy))
@@ -49,11 +56,19 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        kv = _KV_ALIASES.get(str(self.kv_cache_dtype).lower(), str(self.kv_cache_dtype).lower())
+        object.__setattr__(self, "kv_cache_dtype", kv)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
                 f"got {self.kv_cache_dtype!r}"
             )
+        if self.kv_offload_dir is not None and self.kv_offload_memory is not None:
+            raise ValueError("one second KV tier: kv_offload_dir or kv_offload_memory")
+        for name in ("kv_offload_size", "kv_offload_memory"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
         if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
 
@@ -78,8 +93,10 @@ def add_arguments(p: argparse.ArgumentParser, *, serving: bool = True) -> None:
                    metavar="MiB", help=f"KV pool (default {d.kv_cache_memory // MiB})")  # fmt: skip
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help=f"tokens per KV block (default {d.block_size})")  # fmt: skip
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=d.kv_cache_dtype,
-                   help="KV block dtype; auto: the compute dtype")  # fmt: skip
+    p.add_argument("--kv-cache-dtype", choices=[*KV_CACHE_DTYPES, *_KV_ALIASES],
+                   default=d.kv_cache_dtype, metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+                   help="KV block dtype; auto: the compute dtype; int8: about half of "
+                   "bf16's bytes")  # fmt: skip
     if not serving:
         return
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
@@ -91,6 +108,13 @@ def add_arguments(p: argparse.ArgumentParser, *, serving: bool = True) -> None:
     p.add_argument("--policy", choices=[x.value for x in Policy], default=d.policy.value,
                    help="paged: blocks on demand; static: whole-context slots")  # fmt: skip
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-offload", default=d.kv_offload_dir, metavar="DIR",
+                   help="keep evicted KV blocks in files under DIR, across restarts")  # fmt: skip
+    p.add_argument("--kv-offload-size", type=int, default=d.kv_offload_size // MiB,
+                   metavar="MiB", help="the --kv-offload tier's size "
+                   f"(default {d.kv_offload_size // MiB})")  # fmt: skip
+    p.add_argument("--kv-offload-memory", type=int, default=None, metavar="MiB",
+                   help="keep evicted KV blocks in this much host memory instead")  # fmt: skip
     p.add_argument("--seed", type=int, default=d.seed,
                    help="sampler seed for requests that give none (default: random)")  # fmt: skip
 
@@ -110,6 +134,11 @@ def from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:
             policy=Policy(args.policy),
             enable_prefix_caching=not args.no_prefix_caching,
             seed=args.seed,
+            kv_offload_dir=args.kv_offload,
+            kv_offload_size=args.kv_offload_size * MiB,
+            kv_offload_memory=(
+                args.kv_offload_memory * MiB if args.kv_offload_memory is not None else None
+            ),
         )
     fields.update(overrides)
     return EngineConfig(**fields)  # type: ignore[arg-type]

@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 
 from kvpool.cache import CacheError, CacheStats, KVCacheManager, PinInfo, Policy
+from kvpool.cache.tier import TierStats
 from kvpool.engine.config import DEFAULTS, EngineConfig
 from kvpool.engine.errors import (
     InvalidTokens,
@@ -28,11 +29,13 @@ from kvpool.engine.errors import (
     QueueFull,
     RequestError,
 )
+from kvpool.engine.kv_tier import apply_tier_events, open_tier
 from kvpool.engine.outputs import CompletionOutput, Completions, OutputProcessor, RequestOutput
 from kvpool.engine.request import PinOrder, Request, Status
 from kvpool.engine.sampling import Sampler, SamplingParams, seed_bits
 from kvpool.engine.scheduler import Scheduler, Work
 from kvpool.engine.snapshot import EngineSnapshot, TenantSnapshot
+from kvpool.model.kv_store import kv_dtype_name, kv_element_bytes, kv_torch_dtype
 from kvpool.model.llama import LlamaModel
 from kvpool.model.runner import ModelRunner, SeqChunk
 from kvpool.model.tokenizer import Tokenizer
@@ -70,24 +73,23 @@ class Engine:
         config = config or DEFAULTS
         if changes:
             config = config.replace(**changes)
-        compute = str(model.dtype).removeprefix("torch.")
-        if config.kv_cache_dtype not in ("auto", compute):
-            raise ValueError(
-                f"KV blocks are held in the compute dtype ({compute}) for now; "
-                f"kv_cache_dtype {config.kv_cache_dtype!r} is not supported"
-            )
         self.config = config
-        geometry = model.config.kv_geometry(model.dtype.itemsize)
+        kv_dtype = kv_torch_dtype(config.kv_cache_dtype, model.dtype)
+        self.kv_cache_dtype = kv_dtype_name(kv_dtype)  # "auto" resolved
+        geometry = model.config.kv_geometry(kv_element_bytes(kv_dtype, model.config.head_dim))
         num_blocks = config.num_blocks or geometry.blocks_for_budget(
             config.kv_cache_memory, config.block_size
         )
+        self.kv_bytes_per_block = geometry.bytes_per_block(config.block_size)
+        self._tier = open_tier(config, model, self.kv_cache_dtype, self.kv_bytes_per_block)
         self._manager = KVCacheManager(
             num_blocks,
             config.block_size,
             enable_prefix_caching=config.prefix_caching,
             geometry=geometry,
+            tier=self._tier,
         )
-        self._runner = ModelRunner(model, num_blocks, config.block_size)
+        self._runner = ModelRunner(model, num_blocks, config.block_size, kv_dtype=kv_dtype)
         self._scheduler = Scheduler(
             self._manager,
             max_batch_tokens=config.max_batch_tokens,
@@ -101,7 +103,6 @@ class Engine:
         self.stop_ids = frozenset(tokenizer.stop_ids if tokenizer is not None else ())
         self.context_length = model.config.context_length
         self.vocab_size = model.vocab_rows
-        self.kv_bytes_per_block = geometry.bytes_per_block(config.block_size)
         # samples of each request in flight, by request id (sample 0 first)
         self._requests: dict[str, list[Request]] = {}
         # Prefixes (pinned system prompts) that every tenant may share: a salted request
@@ -112,6 +113,16 @@ class Engine:
         self._pins_by_salt: dict[str | None, tuple[int, int]] = {}  # pins, pinned blocks
         self._ids = itertools.count()
         self._steps = 0
+        if self._tier is not None:  # the pins of the last run, pinned again (from the tier)
+            for pin in self._tier.load_pins():
+                try:
+                    self.pin_prefix(
+                        [int(t) for t in pin["tokens"]],  # type: ignore[union-attr]
+                        salt=pin.get("salt"),  # type: ignore[arg-type]
+                        shared=bool(pin.get("shared")),
+                    )
+                except (KeyError, TypeError, ValueError, RequestError) as exc:
+                    log.warning("KV tier: a saved pin was not pinned again: %s", exc)
 
     # -- what it is ----------------------------------------------------------------------
     @property
@@ -136,6 +147,25 @@ class Engine:
 
     def cache_stats(self) -> CacheStats:
         return self._manager.stats()
+
+    def tier_stats(self) -> TierStats | None:
+        """The second tier's counters (None without one); ``hit_blocks`` filled in."""
+        if self._tier is None:
+            return None
+        stats = self._tier.stats()
+        stats.hit_tokens = self._manager.tier_hit_tokens
+        stats.hit_blocks = stats.hit_tokens // self.block_size
+        return stats
+
+    def close(self) -> None:
+        """Hand every block the pool holds to the tier, finish its writes and close it
+        (the engine takes no more steps)."""
+        if self._tier is not None:
+            self._manager.offer_all_to_tier()
+            apply_tier_events(self._manager, self._tier, self._runner.kv)
+            self._tier.close()
+            self._tier = None
+            self._manager.detach_tier()
 
     # -- requests in -------------------------------------------------------------------
     def add_request(
@@ -261,18 +291,33 @@ class Engine:
             self._shared_prefixes.discard(tuple(ids))
         self._pins_changed()
 
-    def reset_prefix_cache(self, *, unpin: bool = False) -> int:
+    def reset_prefix_cache(self, *, unpin: bool = False, tier: bool = False) -> int:
         """Drop every cached block that no request holds and no pin keeps; returns how
-        many were dropped. ``unpin``: drop every pin first."""
+        many were dropped. ``unpin``: drop every pin first. ``tier``: empty the second
+        tier too (its blocks count in the return)."""
         dropped = self._manager.reset_prefix_cache(unpin=unpin)
+        if tier and self._tier is not None:
+            dropped += self._tier.clear()
         if unpin:
             self._shared_prefixes.clear()
             self._pins_changed()
         return dropped
 
     def _pins_changed(self) -> None:
-        """Refresh what snapshots say of pins (only pin commands change them)."""
+        """Refresh what snapshots say of pins (only pin commands change them); a tier
+        keeps them for the next start."""
         self._pins = tuple(self._manager.pins())
+        if self._tier is not None:
+            self._tier.save_pins(
+                [
+                    {
+                        "tokens": list(pin.token_ids),
+                        "salt": pin.salt.decode() or None,
+                        "shared": pin.token_ids in self._shared_prefixes,
+                    }
+                    for pin in self._pins
+                ]
+            )
         self._pins_by_salt = {}
         for pin in self._pins:
             salt = pin.salt.decode() or None
@@ -295,6 +340,8 @@ class Engine:
 
     def _step(self) -> list[Request]:
         work, rejected = self._scheduler.schedule()
+        if self._tier is not None:
+            apply_tier_events(self._manager, self._tier, self._runner.kv)
         if self._scheduler.pending_copies:
             self._runner.copy_blocks(self._scheduler.pending_copies)
             self._scheduler.pending_copies = []
@@ -485,6 +532,8 @@ class Engine:
             expected_output=scheduler.expected_output,
             tenants=tenants,
             pins=self._pins,
+            kv_cache_dtype=self.kv_cache_dtype,
+            tier=self.tier_stats(),
         )
 
     def _new_sample(self, request: Request, index: int) -> Request:

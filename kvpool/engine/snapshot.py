@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpool.cache import CacheStats, PinInfo
+from kvpool.cache.tier import TierStats
 
 
 @dataclass(frozen=True)
@@ -35,3 +36,5 @@ class EngineSnapshot:
     expected_output: float = 0.0  # admission's running mean of finished output lengths
     tenants: dict[str | None, TenantSnapshot] = field(default_factory=dict)
     pins: tuple[PinInfo, ...] = ()
+    kv_cache_dtype: str = ""  # the blocks' dtype ("bf16", "int8", ...), "auto" resolved
+    tier: TierStats | None = None  # the second KV tier, where there is one

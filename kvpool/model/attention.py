@@ -46,6 +46,11 @@ class AttentionBatch:
     # lengths [D]. The fields above then describe only the longer chunks' sequences
     # (``last_index`` still covers every sequence).
     decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # A store in another dtype than the compute one (int8): every sequence's new tokens
+    # attend through the native ``paged_attention``: query starts [B + 1] (each
+    # sequence's new tokens are consecutive), block tables [B, N] and context lengths
+    # [B]; the fields above are then unused.
+    varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -221,9 +226,16 @@ class StepAttention:
         self.model, self.batch, self.kv = model, batch, kv
         nkv, d = model.config.num_kv_heads, model.config.head_dim
         device = batch.input_ids.device
+        self.varlen = batch.varlen
+        self.native_call: Any = _call
+        if self.varlen is not None:  # one native op a layer, on all threads when large
+            assert model.native_fused is not None
+            context = int(self.varlen[2].sum()) * nkv * d
+            self.native_call = model._heavy if context >= PARALLEL_GATHER_MIN else _call
+            self.native, self.head_blocks, self.decode_bias = None, None, None
+            return
         native = model.native_decode if batch.decode_only and not batch.shared_prefixes else None
         self.native = native
-        self.native_call: Any = _call
         self.head_blocks: torch.Tensor | None = None
         if native is not None:  # one op a layer, on all threads when it is large
             context = batch.key_valid.numel() * nkv * d
@@ -246,6 +258,13 @@ class StepAttention:
         """Layer ``layer``'s attention of the queries ``q`` ``[T, heads, dim]`` (this
         step's K/V already written) -> ``[T, heads * dim]``."""
         model, batch, kv = self.model, self.batch, self.kv
+        if self.varlen is not None:
+            starts, tables, lens = self.varlen
+            d = model.config.head_dim
+            return self.native_call(
+                model.native_fused.paged_attention, q.contiguous(), kv.layers[layer], tables,
+                lens, starts, kv.block_size, d**-0.5, model.products.variant,
+            )  # fmt: skip
         if self.native is not None:
             d = model.config.head_dim
             return self.native_call(

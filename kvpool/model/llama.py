@@ -10,6 +10,7 @@ are written in place into the store, then each sequence attends over its own slo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -160,6 +161,7 @@ class LlamaModel:
             inv_freq = inv_freq / weights.pop("rope_freqs.weight").float()
         self.inv_freq = inv_freq.to(device)
         self._buffer: torch.Tensor | None = None  # scratch for gathered K/V (attention.attend)
+        self.source_path: Path | None = None  # the file it was loaded from (loader sets it)
         # > 0: the step's light ops run on one thread and only the matrix products and
         # large gathers on this many (set by the runner for its SPLIT mode on the CPU).
         self.heavy_threads = 0

@@ -229,6 +229,7 @@ def load_model(
     fixed = model.products.exact or model.products.fixed
     if not fixed and isinstance(model.layers[0].o, QuantLinear):
         _choose_crossover(model.products, model, torch_dtype)
+    model.source_path = Path(path)
     loaded = LoadedModel(
         path, config, model, tokenizer, time.perf_counter() - start, native_seconds, choice
     )

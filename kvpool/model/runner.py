@@ -48,10 +48,20 @@ class ModelRunner:
         *,
         threads: ThreadPolicy | Literal["auto"] | None = "auto",
         min_shared_tokens: int | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
-        self.kv = PagedKVStore(model.config, num_blocks, block_size, model.dtype, model.device)
+        kv_dtype = kv_dtype or model.dtype
+        # A store in another dtype than the compute one (int8 above all) is read and
+        # written only by the native ops, which convert rows in registers.
+        self.varlen = kv_dtype != model.dtype
+        if self.varlen and (model.native_fused is None or model.device.type != "cpu"):
+            raise ValueError(
+                f"a {kv_dtype} KV cache under {model.dtype} compute needs the native CPU ops "
+                "(kvpool.model.native); use kv_cache_dtype='auto' here"
+            )
+        self.kv = PagedKVStore(model.config, num_blocks, block_size, kv_dtype, model.device)
         if threads == "auto":
             # the count at import, not the current one: a runner may have left it at one
             cpu = model.device.type == "cpu"
@@ -94,7 +104,20 @@ class ModelRunner:
             positions.extend(range(chunk.start, ctx))
             slots.extend(table[p // bs] * bs + p % bs for p in range(chunk.start, ctx))
         singles = [b for b, n in enumerate(q_lens) if n == 1]
-        split = self.model.native_decode is not None and 0 < len(singles) < len(chunks)
+        varlen = None
+        if self.varlen:  # every token through the native paged_attention, one call a layer
+            width = max(len(t) for t in tables)
+            table_t = torch.zeros(len(chunks), width, dtype=torch.long)
+            for b, table in enumerate(tables):
+                table_t[b, : len(table)] = torch.tensor(table)
+            starts = torch.tensor([*offsets, len(input_ids)], dtype=torch.long)
+            lens_t = torch.tensor(ctx_lens, dtype=torch.long)
+            varlen = (starts.to(device), table_t.to(device), lens_t.to(device))
+        split = (
+            not self.varlen
+            and self.model.native_decode is not None
+            and 0 < len(singles) < len(chunks)
+        )
         rows = [b for b, n in enumerate(q_lens) if n > 1] if split else list(range(len(chunks)))
         decode = None
         if split:
@@ -110,7 +133,7 @@ class ModelRunner:
         q_max = max(q_lens[b] for b in rows)
         groups: list[SharedPrefix] = []
         skip = [0] * len(rows)  # leading blocks each sequence reads through its group
-        if q_max == 1 and len(rows) > 1 and self.min_shared_blocks is not None:
+        if q_max == 1 and len(rows) > 1 and self.min_shared_blocks is not None and not varlen:
             groups = _shared_prefixes(tables, ctx_lens, bs, self.min_shared_blocks)
             for group in groups:
                 for row in group.rows.tolist():
@@ -149,6 +172,7 @@ class ModelRunner:
             decode_only=q_max == 1 and not split,
             shared_prefixes=groups,
             decode=decode,
+            varlen=varlen,
         )
 
     def forward(self, chunks: list[SeqChunk], *, all_logits: bool = False) -> torch.Tensor:

@@ -48,6 +48,7 @@ class PinBody(BaseModel):
 class ResetBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
     pins: bool = False
+    tier: bool = False  # empty the second KV tier too
 
 
 def pin_id(pin: PinInfo) -> str:
@@ -67,6 +68,7 @@ def _capacity(snap: EngineSnapshot, state: ServerState) -> dict[str, Any]:
         "model": state.model.name,
         "block_size": c.block_size,
         "total_blocks": c.total_blocks,
+        "kv_cache_dtype": snap.kv_cache_dtype,
         "bytes_per_block": c.bytes_per_block,
         "total_bytes": c.total_bytes,
         "max_pinned_blocks": snap.max_pinned_blocks,
@@ -116,6 +118,7 @@ async def kvcache(http: Request, state: State) -> Any:
         "preemptions": snap.preemptions,
         "steps": snap.steps,
         "tenants": tenants,
+        "tier": asdict(snap.tier) if snap.tier is not None else None,
     }
 
 
@@ -206,8 +209,8 @@ async def reset(http: Request, state: State) -> Any:
     if not tenant_of(http).admin:
         raise APIError(403, "only an admin key may reset the cache")
     body = await read_json(http, ResetBody)
-    dropped = await state.model.reset_prefix_cache(unpin=body.pins)
-    return {"dropped_blocks": dropped, "unpinned": body.pins}
+    dropped = await state.model.reset_prefix_cache(unpin=body.pins, tier=body.tier)
+    return {"dropped_blocks": dropped, "unpinned": body.pins, "tier_cleared": body.tier}
 
 
 @router.get("/metrics")

@@ -94,7 +94,8 @@ def serve(args: argparse.Namespace) -> int:
     n, bs = engine.num_blocks, engine.block_size
     print(
         f"  KV pool: {n} blocks of {bs} tokens = {n * bs:,} token slots "
-        f"({n * engine.kv_bytes_per_block / 2**20:.0f} MiB), policy {config.policy}, prefix "
+        f"({n * engine.kv_bytes_per_block / 2**20:.0f} MiB, {engine.kv_cache_dtype}), policy "
+        f"{config.policy}, prefix "
         f"caching {'on' if config.prefix_caching else 'off'}, API keys "
         f"{'on' if keys.enabled else 'off'}",
         file=sys.stderr,

@@ -88,6 +88,32 @@ class _PoolCollector(Collector):
             yield CounterMetricFamily(name, doc, value)
         yield GaugeMetricFamily("kvpool_requests_running", "requests in the batch", snap.running)
         yield GaugeMetricFamily("kvpool_requests_waiting", "requests queued", snap.waiting)
+        t = snap.tier
+        if t is None:
+            return
+        yield GaugeMetricFamily("kvpool_tier_blocks", f"blocks in the {t.kind} KV tier", t.blocks)
+        yield GaugeMetricFamily("kvpool_tier_bytes", "bytes in the KV tier", t.bytes)
+        yield GaugeMetricFamily(
+            "kvpool_tier_capacity_bytes", "the KV tier's size", t.capacity_bytes
+        )
+        for name, doc, value in (
+            (
+                "kvpool_tier_hit_tokens",
+                "prompt tokens loaded from the tier",
+                t.hit_tokens,
+            ),
+            ("kvpool_tier_loads", "blocks loaded from the tier, verified", t.loads),
+            ("kvpool_tier_load_seconds", "time reading and verifying tier blocks", t.load_seconds),
+            ("kvpool_tier_writes", "blocks written to the tier", t.writes),
+            (
+                "kvpool_tier_dropped_writes",
+                "evicted blocks the tier did not keep",
+                t.dropped_writes,
+            ),
+            ("kvpool_tier_refused", "tier blocks that failed verification", t.refused),
+            ("kvpool_tier_evictions", "tier blocks removed for room", t.evictions),
+        ):
+            yield CounterMetricFamily(name, doc, value)
 
 
 class Metrics:

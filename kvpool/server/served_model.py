@@ -119,8 +119,8 @@ class ServedModel:
     async def unpin_prefix(self, ids: list[int], *, salt: str | None, shared: bool) -> None:
         await self.llm.unpin_prefix(ids, salt=salt, shared=shared)
 
-    async def reset_prefix_cache(self, *, unpin: bool) -> int:
-        return await self.llm.reset_prefix_cache(unpin=unpin)
+    async def reset_prefix_cache(self, *, unpin: bool, tier: bool = False) -> int:
+        return await self.llm.reset_prefix_cache(unpin=unpin, tier=tier)
 
     @property
     def context_length(self) -> int:

@@ -29,7 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["fp16", "bf16", "q8_0", "q4"],
         help="weight format of a preset (a GGUF file's real size is used as is)",
     )
-    p.add_argument("--kv-dtype", default="fp16", choices=["fp16", "bf16", "fp32", "q8_0"])
+    p.add_argument(
+        "--kv-dtype", default="fp16", choices=["fp16", "bf16", "fp32", "q8_0", "int8"],
+        help="int8: kvpool's int8 blocks (a float16 scale per 32 values), counted as the "
+        "runtime counts them",
+    )  # fmt: skip
     mem = p.add_mutually_exclusive_group()
     mem.add_argument(
         "--device", default=None, help=f"card preset ({', '.join(DEVICE_PRESETS)}); default 16GB"
@@ -118,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.save_trace:
         write_trace(workload, args.save_trace)
-    bpt = model.geometry(kv_dtype_bytes(args.kv_dtype)).bytes_per_token
+    bpt = model.geometry(kv_dtype_bytes(args.kv_dtype, model.head_dim)).bytes_per_token
     common = dict(
         kv_dtype=args.kv_dtype,
         weight_format=args.weights,

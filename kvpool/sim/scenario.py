@@ -89,7 +89,7 @@ def run_strategies(
     progress: bool = False,
 ) -> list[SimResult]:
     strategies = strategies or list(Strategy)
-    bpt = model.geometry(kv_dtype_bytes(kv_dtype)).bytes_per_token
+    bpt = model.geometry(kv_dtype_bytes(kv_dtype, model.head_dim)).bytes_per_token
     device = budget.device or find_device("24GB")  # step times need some card
     cost = RooflineCost(device, model.weight_bytes(weight_format), model.num_parameters, bpt)
     results = []

@@ -19,11 +19,39 @@ struct AttnArgs {
   bool bf16;
 };
 
+// The element types a KV store may hold (paged_attention): float32, bfloat16, float16,
+// or int8 in groups of 32 values with a float16 scale each (ggml's q8_0 grouping): a
+// (token, KV head) row is dim int8 values, then its ceil(dim / 32) scales (value = q *
+// scale).
+enum KvType : int { kKvF32 = 0, kKvBF16 = 1, kKvF16 = 2, kKvInt8 = 3 };
+
+struct VarlenArgs {
+  const void* q;           // [T, num_heads, dim], float32 or bfloat16 (q_bf16)
+  const uint8_t* kv;       // [2 * kv_heads, slots, row_bytes]: K heads then V heads
+  const int64_t* tables;   // [S, max_blocks]
+  const int64_t* lens;     // [S] context tokens of each sequence, its new ones included
+  const int64_t* q_start;  // [S + 1] sequence s's new tokens are q rows q_start[s] ..
+  const int64_t* tiles;    // [n_tiles, 2]: (sequence, its first new token in the tile)
+  void* out;               // [T, num_heads * dim], q's dtype
+  int64_t num_heads, kv_heads, dim, slots, max_blocks, block_size, row_bytes, tile;
+  float scale;
+  bool q_bf16;
+  int kv_type;             // KvType
+};
+
 struct AttentionKernels {
   const char* name;
   // Items [begin, end) of B * kv_heads; scratch: group * (max context + 3 * dim) floats.
   void (*run)(const AttnArgs* args, int64_t begin, int64_t end, float* scratch);
+  // Items [begin, end) of n_tiles * kv_heads; scratch: varlen_scratch(args) floats.
+  void (*run_varlen)(const VarlenArgs* args, int64_t begin, int64_t end, float* scratch);
 };
+
+// Floats of scratch one thread of run_varlen needs.
+static inline int64_t varlen_scratch(const VarlenArgs& a) {
+  const int64_t rows = a.tile * (a.num_heads / a.kv_heads);
+  return rows * (2 * a.dim + a.block_size + 2) + 2 * a.block_size * a.dim;
+}
 
 }  // namespace kvp
 

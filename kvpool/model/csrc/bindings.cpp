@@ -5,6 +5,10 @@
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_kv,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens,
                                   int64_t block_size, double scale, const std::string& variant);
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& layer_kv,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens,
+                           const at::Tensor& query_start, int64_t block_size, double scale,
+                           const std::string& variant);
 at::Tensor add_rms_norm_(at::Tensor& x, const c10::optional<at::Tensor>& y, const at::Tensor& weight,
                          double eps);
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,
@@ -24,6 +28,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over a paged KV store (one query token per sequence)", py::arg("q"),
         py::arg("layer_kv"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("block_size"), py::arg("scale"), py::arg("variant") = "");
+  m.def("paged_attention", &paged_attention,
+        "attention of any number of new tokens per sequence over a paged KV store of any "
+        "element type (float32, bfloat16, float16, int8 with a scale per row)", py::arg("q"),
+        py::arg("layer_kv"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("query_start"), py::arg("block_size"), py::arg("scale"),
+        py::arg("variant") = "");
   m.def("add_rms_norm_", &add_rms_norm_,
         "x += y in place (y optional), then RMSNorm of x times weight, returned");
   m.def("rope_write_kv", &rope_write_kv,

@@ -11,6 +11,11 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
 
 #include <cmath>
 
@@ -88,6 +93,85 @@ void rope_write_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::
   });
 }
 
+// One K or V row (dim values, already rounded to the compute dtype) written to a store of
+// another element type: float32, bfloat16 or float16 by rounding to nearest even, or int8
+// in groups of 32 values (ggml's q8_0 grouping; the last group may be shorter), each with
+// a float16 scale = max |x| / 127, q = rint(x / scale) (all zeros: scale 0), so |x - q
+// scale| <= scale / 2; the scales follow the row's dim bytes.
+void write_row(uint8_t* dst, const float* x, int64_t dim, at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: memcpy(dst, x, dim * sizeof(float)); return;
+    case at::kBFloat16: {
+      auto* d = reinterpret_cast<c10::BFloat16*>(dst);
+      for (int64_t i = 0; i < dim; ++i) d[i] = static_cast<c10::BFloat16>(x[i]);
+      return;
+    }
+    case at::kHalf: {
+      auto* d = reinterpret_cast<c10::Half*>(dst);
+      for (int64_t i = 0; i < dim; ++i) d[i] = static_cast<c10::Half>(x[i]);
+      return;
+    }
+    default: {
+      auto* q = reinterpret_cast<int8_t*>(dst);
+      auto* scales = reinterpret_cast<c10::Half*>(dst + dim);  // 2-byte aligned: dim is even
+      for (int64_t g = 0; g * 32 < dim; ++g) {
+        const int64_t begin = g * 32, end = std::min(dim, begin + 32);
+        float amax = 0.f;
+        for (int64_t i = begin; i < end; ++i) amax = std::max(amax, std::fabs(x[i]));
+        const c10::Half half_scale(std::min(amax / 127.f, 65504.f));
+        const float scale = static_cast<float>(half_scale);
+        const float inv = scale > 0.f ? 1.f / scale : 0.f;
+        for (int64_t i = begin; i < end; ++i)
+          q[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x[i] * inv))));
+        scales[g] = half_scale;
+      }
+    }
+  }
+}
+
+// rope_write_kv_impl for a store whose element type is not T: each K row is rotated as
+// there (the same roundings to T), then converted by write_row.
+template <typename T>
+void rope_write_kv_convert(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,
+                           at::Tensor& layer_kv, const at::Tensor& slots, int64_t num_heads,
+                           int64_t dim, at::Tensor& q) {
+  const int64_t tokens = qkv.size(0), width = qkv.size(1), half = dim / 2;
+  const int64_t kv_heads = layer_kv.size(0) / 2, store_slots = layer_kv.size(1);
+  const int64_t row_bytes = layer_kv.size(2) * layer_kv.element_size();
+  const auto type = layer_kv.scalar_type();
+  const T* src = qkv.data_ptr<T>();
+  const T* c = cos.data_ptr<T>();
+  const T* s = sin_signed.data_ptr<T>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  auto* store = static_cast<uint8_t*>(layer_kv.data_ptr());
+  T* q_out = q.data_ptr<T>();
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(dim);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* in = src + t * width;
+      const T* ct = c + t * dim;
+      const T* st = s + t * dim;
+      for (int64_t h = 0; h < num_heads + kv_heads; ++h) {
+        const T* x = in + h * dim;
+        T* qd = h < num_heads ? q_out + (t * num_heads + h) * dim : nullptr;
+        for (int64_t i = 0; i < dim; ++i) {
+          const T a = static_cast<T>(f32(x[i]) * f32(ct[i]));
+          const T b = static_cast<T>(f32(x[i < half ? i + half : i - half]) * f32(st[i]));
+          const T v = static_cast<T>(f32(a) + f32(b));
+          if (qd != nullptr) qd[i] = v; else row[i] = f32(v);
+        }
+        if (qd == nullptr)
+          write_row(store + ((h - num_heads) * store_slots + slot[t]) * row_bytes, row.data(), dim, type);
+      }
+      const T* v = in + (num_heads + kv_heads) * dim;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        for (int64_t i = 0; i < dim; ++i) row[i] = f32(v[h * dim + i]);
+        write_row(store + ((kv_heads + h) * store_slots + slot[t]) * row_bytes, row.data(), dim, type);
+      }
+    }
+  });
+}
+
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), name, ": a contiguous [rows, features] tensor");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
@@ -117,11 +201,19 @@ at::Tensor add_rms_norm_(at::Tensor& x, const c10::optional<at::Tensor>& y, cons
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,
                          at::Tensor& layer_kv, const at::Tensor& slots, int64_t num_heads) {
   check_rows(qkv, "qkv");
-  TORCH_CHECK(layer_kv.dim() == 3 && layer_kv.is_contiguous() && layer_kv.scalar_type() == qkv.scalar_type(),
-              "layer_kv: contiguous [2 * kv_heads, slots, head_dim] of qkv's dtype");
-  const int64_t tokens = qkv.size(0), kv_heads = layer_kv.size(0) / 2, dim = layer_kv.size(2);
-  TORCH_CHECK(dim % 2 == 0 && qkv.size(1) == (num_heads + 2 * kv_heads) * dim,
+  const auto kv_type = layer_kv.scalar_type();
+  const bool same = kv_type == qkv.scalar_type();
+  TORCH_CHECK(layer_kv.dim() == 3 && layer_kv.is_contiguous() &&
+              (same || kv_type == at::kFloat || kv_type == at::kBFloat16 || kv_type == at::kHalf ||
+               kv_type == at::kChar),
+              "layer_kv: contiguous [2 * kv_heads, slots, row] of qkv's dtype, float32, "
+              "bfloat16, float16 or int8");
+  const int64_t tokens = qkv.size(0), kv_heads = layer_kv.size(0) / 2;
+  const int64_t dim = qkv.size(1) / (num_heads + 2 * kv_heads);
+  TORCH_CHECK(dim > 0 && dim % 2 == 0 && qkv.size(1) == (num_heads + 2 * kv_heads) * dim,
               "qkv: [tokens, (num_heads + 2 * kv_heads) * head_dim]");
+  const int64_t row = kv_type == at::kChar ? dim + 2 * ((dim + 31) / 32) : dim;
+  TORCH_CHECK(layer_kv.size(2) == row, "layer_kv rows: head_dim elements (int8: and the scales)");
   for (const auto* t : {&cos, &sin_signed})
     TORCH_CHECK(t->is_contiguous() && t->numel() == tokens * dim && t->scalar_type() == qkv.scalar_type(),
                 "cos, sin_signed: contiguous [tokens, 1, head_dim] of qkv's dtype");
@@ -132,9 +224,11 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
     TORCH_CHECK(s[t] >= 0 && s[t] < layer_kv.size(1), "slot out of the store");
   auto q = at::empty({tokens, num_heads, dim}, qkv.options());
   if (qkv.scalar_type() == at::kFloat) {
-    rope_write_kv_impl<float>(qkv, cos, sin_signed, layer_kv, slots, num_heads, q);
+    if (same) rope_write_kv_impl<float>(qkv, cos, sin_signed, layer_kv, slots, num_heads, q);
+    else rope_write_kv_convert<float>(qkv, cos, sin_signed, layer_kv, slots, num_heads, dim, q);
   } else {
-    rope_write_kv_impl<c10::BFloat16>(qkv, cos, sin_signed, layer_kv, slots, num_heads, q);
+    if (same) rope_write_kv_impl<c10::BFloat16>(qkv, cos, sin_signed, layer_kv, slots, num_heads, q);
+    else rope_write_kv_convert<c10::BFloat16>(qkv, cos, sin_signed, layer_kv, slots, num_heads, dim, q);
   }
   return q;
 }

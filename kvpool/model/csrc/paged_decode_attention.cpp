@@ -61,3 +61,77 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_k
   });
   return out;
 }
+
+// Attention of any number of new tokens per sequence over a paged store of any element
+// type (float32, bfloat16, float16, or int8 rows with their scale): prefill chunks,
+// decode tokens and mixed steps in one call.
+//
+// q:            [T, num_heads, head_dim]        float32 or bfloat16
+// layer_kv:     [2 * kv_heads, slots, row]      row = head_dim elements, or for int8
+//                                               head_dim bytes + a float16 scale per 32
+// block_tables: [S, max_blocks] int64
+// context_lens: [S] int64                       each sequence's context, new tokens included
+// query_start:  [S + 1] int64                   sequence s's new tokens are q rows
+//                                               query_start[s] .. query_start[s + 1]
+// returns       [T, num_heads * head_dim]       in q's dtype
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& layer_kv,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens,
+                           const at::Tensor& query_start, int64_t block_size, double scale,
+                           const std::string& variant) {
+  TORCH_CHECK(q.dim() == 3 && layer_kv.dim() == 3, "q [T, heads, dim], layer_kv [2 kv, slots, row]");
+  TORCH_CHECK(q.is_contiguous() && layer_kv.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q: float32 or bfloat16");
+  const int64_t dim = q.size(2);
+  int kv_type;
+  switch (layer_kv.scalar_type()) {
+    case at::kFloat: kv_type = kvp::kKvF32; break;
+    case at::kBFloat16: kv_type = kvp::kKvBF16; break;
+    case at::kHalf: kv_type = kvp::kKvF16; break;
+    case at::kChar: kv_type = kvp::kKvInt8; break;
+    default: TORCH_CHECK(false, "layer_kv: float32, bfloat16, float16 or int8");
+  }
+  const int64_t row_bytes =
+      kv_type == kvp::kKvInt8 ? dim + 2 * ((dim + 31) / 32) : dim * layer_kv.element_size();
+  TORCH_CHECK(layer_kv.size(2) * layer_kv.element_size() == row_bytes,
+              "layer_kv rows: head_dim elements (int8: and a float16 scale per 32)");
+  for (const auto* t : {&block_tables, &context_lens, &query_start})
+    TORCH_CHECK(t->scalar_type() == at::kLong, "int64 tables, lengths and query starts");
+  auto tables = block_tables.contiguous();
+  auto lens = context_lens.contiguous();
+  auto starts = query_start.contiguous();
+  const int64_t seqs = tables.size(0);
+  TORCH_CHECK(lens.size(0) == seqs && starts.size(0) == seqs + 1, "one row per sequence");
+  TORCH_CHECK(layer_kv.size(0) % 2 == 0 && q.size(1) % (layer_kv.size(0) / 2) == 0,
+              "query heads in whole groups of the kv heads");
+  const int64_t store_blocks = layer_kv.size(1) / block_size;
+  const int64_t* t = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tables.numel(); ++i)
+    TORCH_CHECK(t[i] >= 0 && t[i] < store_blocks, "block id out of the store");
+  const int64_t* l = lens.data_ptr<int64_t>();
+  const int64_t* st = starts.data_ptr<int64_t>();
+  TORCH_CHECK(st[0] == 0 && st[seqs] == q.size(0), "query starts from 0 to the tokens of q");
+  const int64_t tile = 16;  // new tokens of one sequence per item
+  std::vector<int64_t> tiles;
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int64_t nq = st[s + 1] - st[s];
+    TORCH_CHECK(nq >= 1 && nq <= l[s], "each sequence brings 1 .. context new tokens");
+    TORCH_CHECK(l[s] <= tables.size(1) * block_size, "context length out of its table");
+    for (int64_t j = 0; j < nq; j += tile) {
+      tiles.push_back(s);
+      tiles.push_back(j);
+    }
+  }
+  auto out = at::empty({q.size(0), q.size(1) * dim}, q.options());
+  const auto* kernels = kvp::variant(variant).attention;
+  kvp::VarlenArgs args{q.data_ptr(), static_cast<const uint8_t*>(layer_kv.data_ptr()),
+                       t, l, st, tiles.data(), out.data_ptr(), q.size(1), layer_kv.size(0) / 2,
+                       dim, layer_kv.size(1), tables.size(1), block_size, row_bytes, tile,
+                       static_cast<float>(scale), q.scalar_type() == at::kBFloat16, kv_type};
+  const int64_t items = static_cast<int64_t>(tiles.size() / 2) * args.kv_heads;
+  const int64_t scratch = kvp::varlen_scratch(args);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(scratch);
+    kernels->run_varlen(&args, begin, end, buffer.data());
+  });
+  return out;
+}
