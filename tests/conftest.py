@@ -53,3 +53,16 @@ def reference_model(default_model_file):
     )
     model.eval()
     return model
+
+
+@pytest.fixture(scope="session")
+def fp32_server():
+    """A ``kvpool serve`` child at fp32 (64 MiB of KV) shared by the tests of the routes
+    that do not change server state (logprobs, embeddings)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("fastapi")
+    from tests.server_process import ServerProcess
+
+    proc = ServerProcess("--kv-cache-memory", "64")
+    yield proc
+    assert proc.stop() == 0, proc.logs()

@@ -127,7 +127,7 @@ def test_a_step_where_every_request_faults_fails_them_all_and_the_engine_goes_on
 
 def test_a_fault_in_sampling_fails_that_row_alone(fp32_model, expected_clean):
     engine = Engine(fp32_model, num_blocks=256)
-    sample = engine._sampler.sample
+    sample = engine._sampler.sample_logprobs
     poisoned = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=(1,))
 
     def flaky(logits, params, *rest):
@@ -135,7 +135,7 @@ def test_a_fault_in_sampling_fails_that_row_alone(fp32_model, expected_clean):
             raise ValueError("injected sampling fault")
         return sample(logits, params, *rest)
 
-    engine._sampler.sample = flaky  # type: ignore[method-assign]
+    engine._sampler.sample_logprobs = flaky  # type: ignore[method-assign]
     ids = [engine.add_request(p, GREEDY) for p in prompts()[:3]]
     victim = engine.add_request(prompts()[3], poisoned)
     results = run(engine)

@@ -38,7 +38,7 @@ from kvpool.cache.errors import (
 from kvpool.cache.geometry import ModelGeometry
 from kvpool.cache.hashing import BlockHash, HashFn, Salt, hash_block, salt_bytes
 from kvpool.cache.stats import CacheStats
-from kvpool.cache.tier import ROOT_DIGEST, KVTier, prefix_digest
+from kvpool.cache.tier import ROOT_DIGEST, KVTier, Payload, prefix_digest
 
 SeqId = int | str
 
@@ -73,7 +73,7 @@ class TierEvent:
     digest: bytes
     salt: bytes
     token_ids: tuple[int, ...]
-    payload: bytes | None = None
+    payload: Payload | None = None
 
 
 @dataclass(slots=True)
@@ -179,7 +179,7 @@ class KVCacheManager:
         public_blocks: int,
         *,
         fetch: bool = True,
-    ) -> list[tuple[list[int], BlockHash, bytes, bytes, bytes | None]]:
+    ) -> list[tuple[list[int], BlockHash, bytes, bytes, Payload | None]]:
         """The blocks after the pool's ``hits`` found in the tier, in a row: ``(tokens,
         key, digest, salt, payload)`` each (payloads fetched and verified, or None
         without ``fetch``). ``keys`` grows by the keys hashed here."""
@@ -190,7 +190,7 @@ class KVCacheManager:
         digest = hits[-1].digest if hits else ROOT_DIGEST  # it chains the whole prefix
         if digest is None:  # (a block cached before the tier was there)
             return []
-        found: list[tuple[list[int], BlockHash, bytes, bytes, bytes | None]] = []
+        found: list[tuple[list[int], BlockHash, bytes, bytes, Payload | None]] = []
         for i in range(len(hits), max_blocks):
             chunk = tokens[i * bs : (i + 1) * bs]
             block_salt = b"" if i < public_blocks else salt
@@ -290,7 +290,7 @@ class KVCacheManager:
         public = public_tokens // bs if salt_b else 0
         hits: list[Block] = []
         keys: list[BlockHash] = []
-        tiered: list[tuple[list[int], BlockHash, bytes, bytes, bytes | None]] = []
+        tiered: list[tuple[list[int], BlockHash, bytes, bytes, Payload | None]] = []
         if self.enable_prefix_caching:
             max_blocks = (len(tokens) - 1) // bs
             hits, keys = self._match_prefix(tokens, salt_b, max_blocks, public)

@@ -34,6 +34,7 @@ Pure Python: no torch (the engine copies bytes in and out of the pool).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -55,6 +56,7 @@ ROOT_DIGEST = b"\x00" * DIGEST_BYTES  # the parent of a first block
 _HEAD = struct.Struct("<H")  # salt length
 _COUNT = struct.Struct("<I")  # token count
 _PAYLOAD = struct.Struct("<Q")  # payload length
+Payload = bytes | memoryview  # a block's bytes
 
 
 def prefix_digest(parent: bytes, salt: bytes, token_ids: Sequence[int]) -> bytes:
@@ -117,8 +119,8 @@ class TierStats:
     evictions: int = 0  # entries removed for room
 
 
-def encode_block(digest: bytes, salt: bytes, tokens: Sequence[int], payload: bytes) -> bytes:
-    body = b"".join(
+def _header(digest: bytes, salt: bytes, tokens: Sequence[int], size: int) -> bytes:
+    return b"".join(
         (
             MAGIC,
             digest,
@@ -126,14 +128,18 @@ def encode_block(digest: bytes, salt: bytes, tokens: Sequence[int], payload: byt
             salt,
             _COUNT.pack(len(tokens)),
             struct.pack(f"<{len(tokens)}I", *tokens),
-            _PAYLOAD.pack(len(payload)),
-            payload,
+            _PAYLOAD.pack(size),
         )
     )
+
+
+def encode_block(digest: bytes, salt: bytes, tokens: Sequence[int], payload: Payload) -> bytes:
+    """A block file's bytes (see the module docstring)."""
+    body = _header(digest, salt, tokens, len(payload)) + bytes(payload)
     return body + hashlib.blake2b(body, digest_size=16).digest()
 
 
-def decode_block(data: bytes) -> tuple[bytes, bytes, list[int], bytes] | None:
+def decode_block(data: bytes) -> tuple[bytes, bytes, list[int], Payload] | None:
     """``(digest, salt, tokens, payload)`` of a whole block file, or None when it is
     not one (wrong magic, lengths or checksum)."""
     if len(data) < len(MAGIC) + DIGEST_BYTES + 16 or not data.startswith(MAGIC):
@@ -157,10 +163,9 @@ def decode_block(data: bytes) -> tuple[bytes, bytes, list[int], bytes] | None:
         at += _PAYLOAD.size
     except struct.error:
         return None
-    payload = body[at:]
-    if len(payload) != size:
+    if len(body) - at != size:
         return None
-    return digest, salt, tokens, payload
+    return digest, salt, tokens, memoryview(data)[at : at + size]  # (no copy)
 
 
 class KVTier:
@@ -188,7 +193,7 @@ class KVTier:
         with self._lock:
             return digest in self._entries
 
-    def fetch(self, digest: bytes, salt: bytes, tokens: Sequence[int]) -> bytes | None:
+    def fetch(self, digest: bytes, salt: bytes, tokens: Sequence[int]) -> Payload | None:
         """The block's bytes, verified (checksum, digest, salt, tokens, size), or None
         (a miss, or an entry that did not verify: then it is deleted and counted)."""
         start = time.perf_counter()
@@ -214,7 +219,7 @@ class KVTier:
         assert found is not None
         return found[3]
 
-    def put(self, digest: bytes, salt: bytes, tokens: Sequence[int], payload: bytes) -> None:
+    def put(self, digest: bytes, salt: bytes, tokens: Sequence[int], payload: Payload) -> None:
         """Keep a block evicted from the pool (nothing when the tier has it already)."""
         if len(payload) != self.block_bytes or self.contains(digest):
             return
@@ -269,10 +274,10 @@ class KVTier:
                 self._bytes -= size
         return size is not None
 
-    def _read(self, digest: bytes) -> tuple[bytes, bytes, list[int], bytes] | None:
+    def _read(self, digest: bytes) -> tuple[bytes, bytes, list[int], Payload] | None:
         raise NotImplementedError
 
-    def _store(self, digest: bytes, salt: bytes, tokens: list[int], payload: bytes) -> None:
+    def _store(self, digest: bytes, salt: bytes, tokens: list[int], payload: Payload) -> None:
         raise NotImplementedError
 
     def _drop(self, digest: bytes) -> None:
@@ -287,13 +292,13 @@ class MemoryTier(KVTier):
 
     def __init__(self, capacity_bytes: int, block_bytes: int) -> None:
         super().__init__(capacity_bytes, block_bytes)
-        self._data: dict[bytes, tuple[bytes, list[int], bytes]] = {}
+        self._data: dict[bytes, tuple[bytes, list[int], Payload]] = {}
 
-    def _read(self, digest: bytes) -> tuple[bytes, bytes, list[int], bytes] | None:
+    def _read(self, digest: bytes) -> tuple[bytes, bytes, list[int], Payload] | None:
         entry = self._data.get(digest)
         return None if entry is None else (digest, *entry)
 
-    def _store(self, digest: bytes, salt: bytes, tokens: list[int], payload: bytes) -> None:
+    def _store(self, digest: bytes, salt: bytes, tokens: list[int], payload: Payload) -> None:
         for old in self._admit(digest, len(payload)):
             self._data.pop(old, None)
         self._data[digest] = (salt, tokens, payload)
@@ -326,7 +331,7 @@ class DiskTier(KVTier):
         self._check_identity()
         self.max_pending_bytes = max(max_pending_bytes, identity.block_bytes)
         self._pending_bytes = 0
-        self._queue: queue.Queue[tuple[bytes, bytes, list[int], bytes] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[bytes, bytes, list[int], Payload] | None] = queue.Queue()
         self._reopen()
         self._writer = threading.Thread(target=self._write_loop, name="kvpool-tier", daemon=True)
         self._writer.start()
@@ -379,7 +384,7 @@ class DiskTier(KVTier):
     def _path(self, digest: bytes) -> Path:
         return self.blocks_dir / f"{digest.hex()}.kvb"
 
-    def _read(self, digest: bytes) -> tuple[bytes, bytes, list[int], bytes] | None:
+    def _read(self, digest: bytes) -> tuple[bytes, bytes, list[int], Payload] | None:
         path = self._path(digest)
         try:
             data = path.read_bytes()
@@ -388,7 +393,7 @@ class DiskTier(KVTier):
             return None
         return decode_block(data)
 
-    def _store(self, digest: bytes, salt: bytes, tokens: list[int], payload: bytes) -> None:
+    def _store(self, digest: bytes, salt: bytes, tokens: list[int], payload: Payload) -> None:
         with self._lock:
             if self._pending_bytes + len(payload) > self.max_pending_bytes:
                 self.stats_.dropped_writes += 1
@@ -397,6 +402,8 @@ class DiskTier(KVTier):
         self._queue.put((digest, salt, tokens, payload))
 
     def _write_loop(self) -> None:
+        with contextlib.suppress(AttributeError, OSError):  # below the steps' threads
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
         while True:
             item = self._queue.get()
             if item is None:
@@ -404,9 +411,12 @@ class DiskTier(KVTier):
                 return
             digest, salt, tokens, payload = item
             try:
-                data = encode_block(digest, salt, tokens, payload)
-                _write_atomic(self._path(digest), data)
-                for old in self._admit(digest, len(data)):
+                head = _header(digest, salt, tokens, len(payload))
+                checksum = hashlib.blake2b(head, digest_size=16)
+                checksum.update(payload)
+                _write_atomic(self._path(digest), head, payload, checksum.digest())
+                size = len(head) + len(payload) + 16
+                for old in self._admit(digest, size):
                     self._path(old).unlink(missing_ok=True)
                 self.stats_.writes += 1
             except OSError as exc:  # a full disk: the block is simply not kept
@@ -443,13 +453,14 @@ class DiskTier(KVTier):
         self._writer.join(timeout=5)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` under a temporary name, then rename: a reader sees the old file or
+def _write_atomic(path: Path, *parts: bytes | memoryview) -> None:
+    """Write ``parts`` under a temporary name, then rename: a reader sees the old file or
     the whole new one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            for part in parts:
+                f.write(part)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

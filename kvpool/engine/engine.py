@@ -32,7 +32,7 @@ from kvpool.engine.errors import (
 from kvpool.engine.kv_tier import apply_tier_events, open_tier
 from kvpool.engine.outputs import CompletionOutput, Completions, OutputProcessor, RequestOutput
 from kvpool.engine.request import PinOrder, Request, Status
-from kvpool.engine.sampling import Sampler, SamplingParams, seed_bits
+from kvpool.engine.sampling import Sampler, SamplingParams, TokenLogprobs, seed_bits
 from kvpool.engine.scheduler import Scheduler, Work
 from kvpool.engine.snapshot import EngineSnapshot, TenantSnapshot
 from kvpool.model.kv_store import kv_dtype_name, kv_element_bytes, kv_torch_dtype
@@ -347,7 +347,7 @@ class Engine:
             self._scheduler.pending_copies = []
         if not work:
             return rejected
-        logits, work, failed = self._forward_isolating(work)
+        logits, states, work, failed = self._forward_isolating(work)
         progressed = list(rejected) + failed
         if not work:
             return progressed
@@ -355,6 +355,13 @@ class Engine:
         rows: list[int] = []
         requests: list[Request] = []
         for i, w in enumerate(work):
+            if w.sample and w.request.params.embedding:  # its prompt is done: no token
+                assert states is not None
+                vector = torch.nn.functional.normalize(states[i].float(), dim=0)
+                w.request.embedding = vector.tolist()
+                self._scheduler.finish(w.request, "stop")
+                progressed.append(w.request)
+                continue
             if w.sample:
                 rows.append(i)
                 requests.append(w.request)
@@ -364,10 +371,12 @@ class Engine:
         if rows:
             # (every row once, in order, is the common case: no copy of [B, vocab])
             same = len(rows) == logits.shape[0] and rows == list(range(len(rows)))
-            tokens = self._sample_isolating(logits if same else logits[rows], requests)
-            for request, token in zip(requests, tokens, strict=True):
+            tokens, logprobs = self._sample_isolating(logits if same else logits[rows], requests)
+            for request, token, lp in zip(requests, tokens, logprobs, strict=True):
                 if token is not None:  # (None: its sampling raised, it alone ended)
                     request.tokens.append(token)
+                    if lp is not None:
+                        request.logprobs.append(lp)
                     reason = self._finish_reason(request, token)
                     if reason:
                         self._scheduler.finish(request, reason)
@@ -423,20 +432,24 @@ class Engine:
     # -- fault isolation ---------------------------------------------------------------
     def _forward_isolating(
         self, work: list[Work]
-    ) -> tuple[torch.Tensor | None, list[Work], list[Request]]:
-        """The step's forward: logits of the work that computed, that work, and the
-        requests that failed (ended with ``error``). When the whole batch raises, each
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[Work], list[Request]]:
+        """The step's forward: logits of the work that computed (and its final hidden
+        states where an embedding request is in it), that work, and the requests that
+        failed (ended with ``error``). When the whole batch raises, each
         half runs alone, recursively, until the failing requests are found: a cost of
         about ``2 log2(B)`` extra forwards per failing request, on the failure path only.
         Re-running writes the same K/V to the same slots, and no block enters the prefix
         index before ``after_forward``, so a failed attempt leaves nothing behind."""
-        parts: list[tuple[list[Work], torch.Tensor]] = []
+        parts: list[tuple[list[Work], torch.Tensor, torch.Tensor | None]] = []
         failed: list[Request] = []
+        hidden = any(w.request.params.embedding for w in work)
 
         def run(items: list[Work]) -> None:
             chunks = [self._chunk(w) for w in items]
             try:
-                parts.append((items, self._runner.forward(chunks)))
+                out = self._runner.forward(chunks, return_hidden=hidden)
+                logits, states = out if hidden else (out, None)
+                parts.append((items, logits, states))
                 return
             except Exception as exc:
                 if len(items) == 1:
@@ -448,14 +461,20 @@ class Engine:
 
         run(work)
         if not parts:
-            return None, [], failed
-        if len(parts) == 1:
-            return parts[0][1], parts[0][0], failed
-        return torch.cat([p[1] for p in parts]), [w for p in parts for w in p[0]], failed
+            return None, None, [], failed
+        items = [w for p in parts for w in p[0]]
+        logits = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
+        states = None
+        if hidden:
+            states = torch.cat([p[2] for p in parts])  # type: ignore[misc]
+        return logits, states, items, failed
 
-    def _sample_isolating(self, logits: torch.Tensor, requests: list[Request]) -> list[int | None]:
-        """One token per row; if the batched sampler raises, each row is drawn alone and
-        the rows that still raise end their requests (None in their place)."""
+    def _sample_isolating(
+        self, logits: torch.Tensor, requests: list[Request]
+    ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
+        """One token per row (and its logprobs where asked); if the batched sampler
+        raises, each row is drawn alone and the rows that still raise end their requests
+        (None in their place)."""
         args = (
             [r.params for r in requests],
             [r.prompt_ids for r in requests],
@@ -463,17 +482,22 @@ class Engine:
             [r.generator for r in requests],
         )
         try:
-            return list(self._sampler.sample(logits, *args))
+            sampled, logprobs = self._sampler.sample_logprobs(logits, *args)
+            return list(sampled), logprobs
         except Exception:
             tokens: list[int | None] = []
+            lps: list[TokenLogprobs | None] = []
             for i, request in enumerate(requests):
                 try:
                     one = [a[i : i + 1] for a in args]
-                    tokens.extend(self._sampler.sample(logits[i : i + 1], *one))
+                    token, lp = self._sampler.sample_logprobs(logits[i : i + 1], *one)
+                    tokens.extend(token)
+                    lps.extend(lp)
                 except Exception as exc:
                     self._fail(request, exc)
                     tokens.append(None)
-            return tokens
+                    lps.append(None)
+            return tokens, lps
 
     def _fail(self, request: Request, exc: BaseException) -> Request:
         """End ``request`` with ``error``: its blocks are freed, the log has the cause."""

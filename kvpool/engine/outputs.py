@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.engine.request import Request, Status
+from kvpool.engine.sampling import TokenLogprobs
 from kvpool.engine.text_stream import TextStream
 
 Decode = Callable[[Sequence[int]], str]
@@ -38,6 +39,9 @@ class RequestOutput:
     pinned_tokens: int | None = None
     pin_error: Exception | None = None  # a pin request refused (a CacheError)
     time: float = 0.0  # time.monotonic() when the step that produced it ended
+    # one per token of token_ids, where the request asked for logprobs (else None)
+    logprobs: list[TokenLogprobs] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector, on its last output
 
     @property
     def finished(self) -> bool:
@@ -57,6 +61,8 @@ class CompletionOutput:
     index: int = 0
     preemptions: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # per token, where asked for
+    embedding: list[float] | None = None  # an embedding request's vector
 
     @property
     def prompt_tokens(self) -> int:
@@ -114,6 +120,8 @@ class OutputProcessor:
             pinned_tokens=pinned,
             pin_error=request.pin_error,
             time=now,
+            logprobs=request.logprobs[sent:] if request.params.logprobs is not None else None,
+            embedding=request.embedding if finished else None,
         )
 
     def forget(self, request: Request) -> None:
@@ -127,6 +135,7 @@ class OutputProcessor:
 class _Sample:
     text: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
     last: RequestOutput | None = None
 
 
@@ -145,6 +154,8 @@ class Completions:
             sample = self._samples.setdefault((out.request_id, out.index), _Sample())
             sample.text.append(out.text)
             sample.tokens.extend(out.token_ids)
+            if out.logprobs is not None:
+                sample.logprobs = (sample.logprobs or []) + out.logprobs
             sample.last = out
 
     def finished(self, request_id: str, n: int) -> bool:
@@ -167,6 +178,8 @@ class Completions:
                     index=j,
                     preemptions=last.preemptions if last else 0,
                     error=last.error if last else None,
+                    logprobs=sample.logprobs,
+                    embedding=last.embedding if last else None,
                 )
             )
         return results

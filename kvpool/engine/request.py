@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpool.engine.sampling import SamplingParams
+from kvpool.engine.sampling import SamplingParams, TokenLogprobs
 
 
 class Status(enum.Enum):
@@ -58,6 +58,9 @@ class Request:
     forks_pending: int = 0  # n > 1: samples to fork from this one at its first token
     pin: PinOrder | None = None  # a pin request: what to pin once its prompt is computed
     pin_error: Exception | None = None  # pinning was refused (a CacheError)
+    # one per output token when params.logprobs asks for them
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    embedding: list[float] | None = None  # params.embedding: set when the prompt is done
 
     def __post_init__(self) -> None:
         if not self.tokens:

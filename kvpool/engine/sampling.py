@@ -2,7 +2,11 @@
 
 ``Sampler.sample`` turns one row of logits per sequence into one token per sequence, each
 row with its own parameters, in this order: repetition / presence / frequency penalties,
-temperature (0 = greedy), top-k, top-p, min-p, then a draw. The filters look at the best
+temperature (0 = greedy), top-k, top-p, min-p, then a draw. Log-probabilities, for rows
+that ask for them (``logprobs``), are those of the row after the penalties and before
+the temperature (OpenAI's definition: the model's distribution as the request shaped
+it, not the sampling's): a float32 log-softmax of the row, the chosen token's value and
+the ``logprobs`` best. The filters look at the best
 candidates (``topk``, or the tokens above a threshold for a nucleus wider than them; never
 a sort of the whole vocabulary), and the draw is an exponential race over what they
 keep. A request with a ``seed`` draws from its own generator, created once for the
@@ -30,6 +34,7 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_STOP_STRINGS = 32
 MAX_STOP_LENGTH = 512  # characters
 MAX_TOP_K = 1 << 31
+MAX_LOGPROBS = 20  # best alternatives per token (OpenAI's limit)
 # Seeds: any value a signed or an unsigned 64-bit integer holds; negative ones are taken
 # modulo 2**64 (the generator's seed is 64 bits), so -1 and 2**64 - 1 are one seed.
 SEED_RANGE = (-(1 << 63), 1 << 64)
@@ -38,6 +43,16 @@ SEED_RANGE = (-(1 << 63), 1 << 64)
 def seed_bits(seed: int) -> int:
     """The generator's 64-bit seed for a request seed in ``SEED_RANGE``."""
     return seed % (1 << 64)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the ``k`` best tokens' (best first), from
+    the row after penalties, before temperature."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    logprobs: int | None = None  # None: none; k: each token's and the k best tokens'
+    # No generation: the request ends after its prompt with the last token's final-normed
+    # hidden state, L2-normalized, as its embedding (RequestOutput.embedding).
+    embedding: bool = False
 
     def __post_init__(self) -> None:
         low, high = SEED_RANGE
@@ -74,6 +93,10 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (1 <= self.n <= 64, "n must be in [1, 64]"),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
+            ),
             (all(s for s in self.stop), "stop strings must not be empty"),
             (
                 len(self.stop) <= MAX_STOP_STRINGS,
@@ -122,8 +145,19 @@ class Sampler:
         """One token per row of ``logits`` ``[B, vocab]``, on any device: greedy rows take
         their argmax there; penalties and random draws run on the CPU (the generators
         are CPU generators, so a seed gives the same tokens whatever the device)."""
+        return self.sample_logprobs(logits, params, prompt_ids, output_ids, generators)[0]
+
+    def sample_logprobs(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """``sample``, and for each row whose params ask for ``logprobs`` its token's
+        ``TokenLogprobs`` (None for the others)."""
         logits = logits.float()
-        batch = logits.shape[0]
         penalties = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
                         for p in params)  # fmt: skip
         if logits.device.type != "cpu" and (penalties or not all(p.greedy for p in params)):
@@ -131,6 +165,27 @@ class Sampler:
         if penalties:
             logits = logits.clone()
             _apply_penalties(logits, params, prompt_ids, output_ids)
+        tokens = self._draw(logits, params, generators)
+        out: list[TokenLogprobs | None] = [None] * len(tokens)
+        for i, p in enumerate(params):
+            if p.logprobs is None:
+                continue
+            row = torch.log_softmax(logits[i].float(), dim=-1)
+            best: tuple[tuple[int, float], ...] = ()
+            if p.logprobs:
+                top = row.topk(p.logprobs)
+                best = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+            out[i] = TokenLogprobs(tokens[i], float(row[tokens[i]]), best)
+        return tokens, out
+
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> list[int]:
+        """One token per row of logits already shaped by the penalties."""
+        batch = logits.shape[0]
         out = [0] * batch
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if greedy:  # one argmax for all greedy rows (ties: the first index, as per row)

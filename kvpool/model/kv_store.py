@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import warnings
 
 import torch
 
@@ -91,27 +92,31 @@ class PagedKVStore:
         """Bytes of one block in every layer (what ``read_block`` returns)."""
         return sum(t[:, : self.block_size].numel() * t.element_size() for t in self.layers)
 
-    def read_block(self, block_id: int) -> bytes:
-        """Block ``block_id``'s rows of every layer, as bytes (a copy): layer by layer,
-        ``[K heads + V heads, block_size, row]`` each."""
-        bs = self.block_size
-        parts = [
-            t[:, block_id * bs : (block_id + 1) * bs].contiguous().view(torch.uint8).numpy()
-            for t in self.layers
-        ]
-        return b"".join(p.tobytes() for p in parts)
+    def read_block(self, block_id: int) -> memoryview:
+        """Block ``block_id``'s rows of every layer, copied once into a new buffer: layer
+        by layer, ``[K heads + V heads, block_size, row]`` each."""
+        out = torch.empty(self.block_bytes, dtype=torch.uint8)
+        for view, part in self._block_parts(block_id, out):
+            part.copy_(view)
+        return memoryview(out.numpy()).cast("B")
 
-    def write_block(self, block_id: int, payload: bytes) -> None:
-        """Put ``read_block``'s bytes back, into block ``block_id``."""
+    def write_block(self, block_id: int, payload: bytes | memoryview) -> None:
+        """Put ``read_block``'s bytes back, into block ``block_id`` (one copy)."""
         if len(payload) != self.block_bytes:
             raise ValueError(f"a block is {self.block_bytes} bytes, got {len(payload)}")
-        bs = self.block_size
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        at = 0
+        with warnings.catch_warnings():  # read only: a read-only buffer is fine
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(payload, dtype=torch.uint8)
+        for view, part in self._block_parts(block_id, data):
+            view.copy_(part)
+
+    def _block_parts(self, block_id: int, flat: torch.Tensor):  # type: ignore[no-untyped-def]
+        """Each layer's slots of the block, paired with its part of the flat buffer."""
+        bs, at = self.block_size, 0
         for t in self.layers:
             view = t[:, block_id * bs : (block_id + 1) * bs]
             n = view.numel() * t.element_size()
-            view.copy_(data[at : at + n].view(t.dtype).view(view.shape))
+            yield view, flat[at : at + n].view(t.dtype).view(view.shape)
             at += n
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

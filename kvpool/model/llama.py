@@ -214,10 +214,16 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(
-        self, batch: AttentionBatch, kv: PagedKVStore, *, all_logits: bool = False
-    ) -> torch.Tensor:
+        self,
+        batch: AttentionBatch,
+        kv: PagedKVStore,
+        *,
+        all_logits: bool = False,
+        return_hidden: bool = False,
+    ) -> Any:
         """Logits of each sequence's last new token ``[B, vocab]`` (or of every new token,
-        ``[T, vocab]``, with ``all_logits``)."""
+        ``[T, vocab]``, with ``all_logits``); with ``return_hidden``, ``(logits, hidden)``,
+        ``hidden`` the final-normed hidden states of the same rows (embeddings)."""
         nh = self.config.num_heads
         cos, sin_signed = self._rope(batch.positions)
         x = self.embed[batch.input_ids]
@@ -243,7 +249,8 @@ class LlamaModel:
         if not all_logits:
             x = x[batch.last_index]
         x = _rms_norm(x, self.final_norm, self.config.rms_norm_eps)
-        return self._heavy(self.lm_head, x).float()
+        logits = self._heavy(self.lm_head, x).float()
+        return (logits, x) if return_hidden else logits
 
     def _add_norm(
         self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -175,16 +175,20 @@ class ModelRunner:
             varlen=varlen,
         )
 
-    def forward(self, chunks: list[SeqChunk], *, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self, chunks: list[SeqChunk], *, all_logits: bool = False, return_hidden: bool = False
+    ) -> Any:
+        """``LlamaModel.forward`` of the chunks: logits, or ``(logits, hidden)``."""
         batch = self.build_batch(chunks)
+        kw = {"all_logits": all_logits, "return_hidden": return_hidden}
         if self.threads is None:
-            return self.model.forward(batch, self.kv, all_logits=all_logits)
+            return self.model.forward(batch, self.kv, **kw)
         mode = self.threads.choose(batch.input_ids.shape[0], batch.decode_only)
         n = self.threads.max_threads
         torch.set_num_threads(n if mode is Mode.ALL else 1)
         self.model.heavy_threads = n if mode is Mode.SPLIT else 0
         start = time.perf_counter()
-        logits = self.model.forward(batch, self.kv, all_logits=all_logits)
+        logits = self.model.forward(batch, self.kv, **kw)
         self.threads.record(time.perf_counter() - start)
         return logits
 

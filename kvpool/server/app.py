@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 
 from kvpool import __version__
-from kvpool.server import admin_api, errors, ollama_api, openai_api
+from kvpool.server import admin_api, embed_api, errors, ollama_api, openai_api
 from kvpool.server.auth import ANONYMOUS, KeyRing
 from kvpool.server.errors import APIError
 from kvpool.server.limits import BodyLimit
@@ -58,4 +58,5 @@ def create_app(
     app.include_router(ollama_api.router, dependencies=auth)
     app.include_router(openai_api.router, dependencies=auth)
     app.include_router(admin_api.router, dependencies=auth)
+    app.include_router(embed_api.router, dependencies=auth)
     return BodyLimit(app, max_body_bytes)

@@ -18,7 +18,7 @@ from fastapi import Request
 
 from kvpool.engine.async_llm import RequestStream
 from kvpool.engine.outputs import RequestOutput
-from kvpool.engine.sampling import SamplingParams
+from kvpool.engine.sampling import SamplingParams, TokenLogprobs
 from kvpool.server.auth import Tenant
 from kvpool.server.metrics import Metrics
 from kvpool.server.served_model import ServedModel
@@ -29,6 +29,7 @@ class Sample:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # where asked for
 
 
 @dataclass
@@ -100,6 +101,8 @@ class Generation:
                 sample = out.samples[delta.index]
                 sample.text += delta.text
                 sample.token_ids += delta.token_ids
+                if delta.logprobs:
+                    sample.logprobs += delta.logprobs
                 out.cached_prompt_tokens = delta.cached_prompt_tokens
                 if delta.token_ids and out.first_token is None:
                     out.first_token = delta.time

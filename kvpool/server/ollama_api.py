@@ -17,9 +17,11 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from kvpool import __version__
+from kvpool.server import logprobs
 from kvpool.server.errors import bad_request, read_json, stream_error
 from kvpool.server.generation import Generation, Outcome
 from kvpool.server.params import ollama_params
+from kvpool.server.served_model import ServedModel
 from kvpool.server.state import State, tenant_of
 
 router = APIRouter()
@@ -43,6 +45,8 @@ class GenerateBody(_Body):
     images: list[str] | None = None
     options: dict[str, Any] | None = None
     keep_alive: str | int | float | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class Message(_Body):
@@ -59,6 +63,8 @@ class ChatBody(_Body):
     tools: list[dict[str, Any]] | None = None
     options: dict[str, Any] | None = None
     keep_alive: str | int | float | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class ShowBody(_Body):
@@ -91,15 +97,21 @@ def _final_stats(out: Outcome) -> dict[str, Any]:
     }
 
 
-def _ndjson(generation: Generation, piece: Any, final: Any) -> StreamingResponse:
-    """Ollama's stream: a line per piece, then the final line; a stream that ends early
-    (shutdown, a failure) ends with an ``{"error": ...}`` line, as Ollama's does."""
+def _ndjson(
+    generation: Generation, piece: Any, final: Any, model: ServedModel, want_logprobs: bool
+) -> StreamingResponse:
+    """Ollama's stream: a line per piece (with its tokens' logprobs where asked), then the
+    final line; a stream that ends early (shutdown, a failure) ends with an ``{"error":
+    ...}`` line, as Ollama's does."""
 
     async def lines() -> AsyncIterator[bytes]:
         try:
             async for delta in generation.deltas():
-                if delta.text:
-                    yield (json.dumps(piece(delta.text)) + "\n").encode()
+                if delta.text or (want_logprobs and delta.logprobs):
+                    line = piece(delta.text)
+                    if want_logprobs:
+                        line["logprobs"] = logprobs.ollama(delta.logprobs or [], model.piece)
+                    yield (json.dumps(line) + "\n").encode()
             last = final(generation.outcome)
         except Exception as exc:
             _, message, _ = stream_error(exc, "an Ollama stream")
@@ -126,7 +138,8 @@ async def generate(http: Request, state: State) -> Any:
         messages = [{"role": "system", "content": body.system}] if body.system else []
         ids = model.encode_chat([*messages, {"role": "user", "content": body.prompt}])
     ids = model.check_tokens(list(body.context or []), "context") + ids
-    params = ollama_params(body.options, len(ids), model.context_length)
+    asked = logprobs.requested(body.logprobs, body.top_logprobs, "/api/generate")
+    params = ollama_params(body.options, len(ids), model.context_length, asked)
     generation = await Generation.start(
         model, http, ids, params, tenant_of(http), state.metrics, "ollama"
     )
@@ -144,9 +157,12 @@ async def generate(http: Request, state: State) -> Any:
         }
 
     if body.stream:
-        return _ndjson(generation, piece, final)
+        return _ndjson(generation, piece, final, model, asked is not None)
     out = await generation.run()
-    return {**final(out), "response": out.samples[0].text}
+    reply = {**final(out), "response": out.samples[0].text}
+    if asked is not None:
+        reply["logprobs"] = logprobs.ollama(out.samples[0].logprobs, model.piece)
+    return reply
 
 
 @router.post("/api/chat")
@@ -163,7 +179,8 @@ async def chat(http: Request, state: State) -> Any:
         ids = model.encode_chat(messages)
     except ValueError as exc:  # the template refused the conversation
         raise bad_request(str(exc)) from None
-    params = ollama_params(body.options, len(ids), model.context_length)
+    asked = logprobs.requested(body.logprobs, body.top_logprobs, "/api/chat")
+    params = ollama_params(body.options, len(ids), model.context_length, asked)
     generation = await Generation.start(
         model, http, ids, params, tenant_of(http), state.metrics, "ollama"
     )
@@ -177,10 +194,12 @@ async def chat(http: Request, state: State) -> Any:
                 "message": {"role": "assistant", "content": ""}, **_final_stats(out)}  # fmt: skip
 
     if body.stream:
-        return _ndjson(generation, piece, final)
+        return _ndjson(generation, piece, final, model, asked is not None)
     out = await generation.run()
     reply = final(out)
     reply["message"]["content"] = out.samples[0].text
+    if asked is not None:
+        reply["logprobs"] = logprobs.ollama(out.samples[0].logprobs, model.piece)
     return reply
 
 

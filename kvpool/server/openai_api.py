@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from kvpool.server import logprobs
 from kvpool.server.errors import APIError, bad_request, read_json, stream_error
 from kvpool.server.generation import Generation, Outcome
 from kvpool.server.params import openai_params
@@ -43,8 +44,13 @@ class _Common(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
+    top_logprobs: int | None = None
     user: str | None = None
     ignore_eos: bool = False  # an extension vLLM and llama.cpp accept too (benchmarks)
+    # vLLM's sampling extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
 
 
 class ChatMessage(_Body):
@@ -103,10 +109,22 @@ def _sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
 
 
 def _check_common(body: _Common) -> None:
-    if body.logprobs:
-        raise bad_request("logprobs are not supported by kvpool")
     if body.n is not None and not 1 <= body.n <= 64:
         raise bad_request("n must be in [1, 64]")
+
+
+def _chat_logprobs(body: ChatBody) -> int | None:
+    if body.logprobs is not None and not isinstance(body.logprobs, bool):
+        raise bad_request("logprobs must be true or false (top_logprobs: how many)")
+    return logprobs.requested(body.logprobs, body.top_logprobs, "chat completions")
+
+
+def _completion_logprobs(body: CompletionBody) -> int | None:
+    """Completions take ``logprobs: N`` (the best N alongside each token)."""
+    if body.logprobs is None or body.logprobs is False:
+        return logprobs.requested(None, body.top_logprobs, "completions")
+    top = 0 if body.logprobs is True else body.logprobs
+    return logprobs.requested(True, top, "completions")
 
 
 @router.post("/chat/completions")
@@ -128,10 +146,11 @@ async def chat_completions(http: Request, state: State) -> Any:
         ids = model.encode_chat(messages)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
-    params = openai_params(body, len(ids), model.context_length)
+    params = openai_params(body, len(ids), model.context_length, _chat_logprobs(body))
     generation = await Generation.start(
         model, http, ids, params, tenant_of(http), state.metrics, "openai"
     )
+    want_logprobs = params.logprobs is not None
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "created": created, "model": model.name, "system_fingerprint": "kvpool"}
 
@@ -143,12 +162,14 @@ async def chat_completions(http: Request, state: State) -> Any:
                 yield {**base, "choices": [{"index": i, "finish_reason": None,
                        "delta": {"role": "assistant", "content": ""}}]}  # fmt: skip
             async for delta in generation.deltas():
-                if delta.text or delta.finish_reason:
+                if delta.text or delta.finish_reason or (want_logprobs and delta.logprobs):
                     choice = {
                         "index": delta.index,
                         "delta": {"content": delta.text} if delta.text else {},
                         "finish_reason": _reason(delta.finish_reason),
-                        "logprobs": None,
+                        "logprobs": logprobs.openai_chat(delta.logprobs, model.piece)
+                        if want_logprobs and delta.logprobs
+                        else None,
                     }
                     yield {**base, "choices": [choice]}
             if body.stream_options and body.stream_options.include_usage:
@@ -164,7 +185,9 @@ async def chat_completions(http: Request, state: State) -> Any:
                 "index": i,
                 "message": {"role": "assistant", "content": s.text},
                 "finish_reason": _reason(s.finish_reason),
-                "logprobs": None,
+                "logprobs": logprobs.openai_chat(s.logprobs, model.piece)
+                if want_logprobs
+                else None,
             }
             for i, s in enumerate(out.samples)
         ],
@@ -190,19 +213,27 @@ async def completions(http: Request, state: State) -> Any:
         ids = model.check_tokens(list(prompt), "prompt")
     if not ids:
         raise bad_request("the prompt is empty")
-    params = openai_params(body, len(ids), model.context_length)
+    params = openai_params(body, len(ids), model.context_length, _completion_logprobs(body))
     generation = await Generation.start(
         model, http, ids, params, tenant_of(http), state.metrics, "openai"
     )
+    want_logprobs = params.logprobs is not None
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": model.name}
 
     if body.stream:
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
+            offsets = [0] * params.n  # characters sent per sample, for text_offset
             async for delta in generation.deltas():
-                if delta.text or delta.finish_reason:
-                    choice = {"index": delta.index, "text": delta.text, "logprobs": None,
+                if delta.text or delta.finish_reason or (want_logprobs and delta.logprobs):
+                    lp = None
+                    if want_logprobs and delta.logprobs:
+                        lp = logprobs.openai_completion(
+                            delta.logprobs, model.piece, offsets[delta.index]
+                        )
+                        offsets[delta.index] += sum(len(t) for t in lp["tokens"])
+                    choice = {"index": delta.index, "text": delta.text, "logprobs": lp,
                               "finish_reason": _reason(delta.finish_reason)}  # fmt: skip
                     yield {**head, "choices": [choice]}
             if body.stream_options and body.stream_options.include_usage:
@@ -216,7 +247,9 @@ async def completions(http: Request, state: State) -> Any:
             {
                 "index": i,
                 "text": s.text,
-                "logprobs": None,
+                "logprobs": logprobs.openai_completion(s.logprobs, model.piece)
+                if want_logprobs
+                else None,
                 "finish_reason": _reason(s.finish_reason),
             }
             for i, s in enumerate(out.samples)

@@ -10,8 +10,9 @@ context is full (kvpool does not shift the context); other negatives and 0 are a
 and a limit past the context is capped by it.
 
 OpenAI: ``max_tokens`` / ``max_completion_tokens`` (default: until the context is full),
-temperature and top_p (default 1), n, stop, seed, presence / frequency penalties, and
-``ignore_eos`` (an extension, as in vLLM and llama.cpp, for benchmarks).
+temperature and top_p (default 1), n, stop, seed, presence / frequency penalties,
+logprobs / top_logprobs, and vLLM's extensions: ``top_k`` (0 or -1: off), ``min_p``,
+``repetition_penalty`` and ``ignore_eos`` (also llama.cpp's, for benchmarks).
 
 A wrong type or value is a 400 naming the option and its range (``SamplingParams``
 holds the bounds both APIs share: temperature, penalties, top-k, stop strings, seeds of
@@ -74,7 +75,9 @@ def max_new_tokens(requested: int | None, prompt_len: int, context: int) -> int:
     return room if requested is None else min(requested, room)
 
 
-def ollama_params(options: dict[str, Any] | None, prompt_len: int, context: int) -> SamplingParams:
+def ollama_params(
+    options: dict[str, Any] | None, prompt_len: int, context: int, logprobs: int | None = None
+) -> SamplingParams:
     opts = dict(options or {})
     for name in list(opts):
         if opts[name] is None:
@@ -105,11 +108,15 @@ def ollama_params(options: dict[str, Any] | None, prompt_len: int, context: int)
         frequency_penalty=values.get("frequency_penalty", 0.0),
         seed=values.get("seed"),
         stop=stop_strings("option stop", values.get("stop")),
+        logprobs=logprobs,
     )
 
 
-def openai_params(body: Any, prompt_len: int, context: int) -> SamplingParams:
-    """``body``: the validated request model (chat or completions)."""
+def openai_params(
+    body: Any, prompt_len: int, context: int, logprobs: int | None = None
+) -> SamplingParams:
+    """``body``: the validated request model (chat or completions); ``logprobs``: the
+    ``SamplingParams.logprobs`` its logprob fields asked for."""
     requested = getattr(body, "max_completion_tokens", None)
     if requested is None:
         requested = body.max_tokens
@@ -127,4 +134,15 @@ def openai_params(body: Any, prompt_len: int, context: int) -> SamplingParams:
         stop=stop_strings("stop", body.stop),
         n=body.n or 1,
         ignore_eos=body.ignore_eos,
+        top_k=_optional("top_k", body.top_k, int, 0, -1),
+        min_p=_optional("min_p", body.min_p, float, 0.0),
+        repetition_penalty=_optional("repetition_penalty", body.repetition_penalty, float, 1.0),
+        logprobs=logprobs,
     )
+
+
+def _optional(name: str, value: Any, kind: type, default: Any, off: Any = None) -> Any:
+    """A vLLM extension field: its default when absent (or ``off``: vLLM's top_k -1)."""
+    if value is None or value == off:
+        return default
+    return _number(name, value, kind)

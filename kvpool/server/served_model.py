@@ -5,6 +5,7 @@ read the engine's snapshot, pin and unpin prefixes. The routes reach nothing els
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -91,6 +92,10 @@ class ServedModel:
             messages, add_generation_prompt=add_generation_prompt
         )
 
+    def piece(self, token_id: int) -> str:
+        """One token's text, special tokens included (logprobs name tokens by it)."""
+        return self.loaded.tokenizer.decode([token_id], skip_special=False)
+
     def decode(self, ids: list[int]) -> str:
         return self.loaded.tokenizer.decode(ids)
 
@@ -103,6 +108,28 @@ class ServedModel:
         self, ids: list[int], params: SamplingParams, *, salt: str | None
     ) -> RequestStream:
         return await self.llm.submit(ids, params, salt=salt)
+
+    async def embed(self, inputs: list[list[int]], *, salt: str | None) -> list[list[float]]:
+        """One embedding per input (token ids), all submitted at once so the engine
+        batches them; inputs sharing a prefix share its cached blocks. Raises the
+        engine's ``RequestError`` or ``RequestFailed`` as ``submit`` would."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, embedding=True)
+        streams: list[RequestStream] = []
+
+        async def vector(stream: RequestStream) -> list[float]:
+            result: list[float] = []
+            async for out in stream:
+                if out.embedding is not None:
+                    result = out.embedding
+            return result
+
+        try:
+            for ids in inputs:
+                streams.append(await self.submit(ids, params, salt=salt))
+            return list(await asyncio.gather(*(vector(s) for s in streams)))
+        finally:  # a refusal, a failure or a client gone: nothing is left running
+            for stream in streams:
+                stream.cancel()
 
     @property
     def snapshot(self) -> EngineSnapshot:

@@ -53,6 +53,15 @@ void add_rms_norm_impl(at::Tensor& x, const T* y, const at::Tensor& w, double ep
   });
 }
 
+// Element i of a head row x rotated: x * cos + rotate_half(x) * sin_signed, each product
+// and the sum rounded to T (as the torch path rounds).
+template <typename T>
+inline T rotated(const T* x, const T* c, const T* s, int64_t i, int64_t half) {
+  const T a = static_cast<T>(f32(x[i]) * f32(c[i]));
+  const T b = static_cast<T>(f32(x[i < half ? i + half : i - half]) * f32(s[i]));
+  return static_cast<T>(f32(a) + f32(b));
+}
+
 // Rotary embedding of Q and K in the half-split layout (x * cos + rotate_half(x) * sin,
 // with the sign in sin_signed; each product and the sum rounded to T), K and V written to
 // the store at each token's slot; Q returned as [T, num_heads, head_dim].
@@ -78,11 +87,7 @@ void rope_write_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::
         const T* x = row + h * dim;
         T* dst = h < num_heads ? q_out + (t * num_heads + h) * dim
                                : store + ((h - num_heads) * store_slots + slot[t]) * dim;
-        for (int64_t i = 0; i < dim; ++i) {
-          const T a = static_cast<T>(f32(x[i]) * f32(ct[i]));
-          const T b = static_cast<T>(f32(x[i < half ? i + half : i - half]) * f32(st[i]));
-          dst[i] = static_cast<T>(f32(a) + f32(b));
-        }
+        for (int64_t i = 0; i < dim; ++i) dst[i] = rotated(x, ct, st, i, half);
       }
       const T* v = row + (num_heads + kv_heads) * dim;
       for (int64_t h = 0; h < kv_heads; ++h) {
@@ -155,9 +160,7 @@ void rope_write_kv_convert(const at::Tensor& qkv, const at::Tensor& cos, const a
         const T* x = in + h * dim;
         T* qd = h < num_heads ? q_out + (t * num_heads + h) * dim : nullptr;
         for (int64_t i = 0; i < dim; ++i) {
-          const T a = static_cast<T>(f32(x[i]) * f32(ct[i]));
-          const T b = static_cast<T>(f32(x[i < half ? i + half : i - half]) * f32(st[i]));
-          const T v = static_cast<T>(f32(a) + f32(b));
+          const T v = rotated(x, ct, st, i, half);
           if (qd != nullptr) qd[i] = v; else row[i] = f32(v);
         }
         if (qd == nullptr)

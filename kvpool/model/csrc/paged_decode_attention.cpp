@@ -23,6 +23,27 @@
 
 #include "isa_select.h"
 
+namespace {
+
+// Cheap checks (a few thousand integers) that keep a bad table or length from reading
+// outside the store: heads in whole groups, every block id in the store, every context
+// length within its table.
+void check_tables(const at::Tensor& q, const at::Tensor& layer_kv, const at::Tensor& tables,
+                  const at::Tensor& lens, int64_t block_size) {
+  TORCH_CHECK(tables.size(0) == lens.size(0), "one row per sequence");
+  TORCH_CHECK(layer_kv.size(0) % 2 == 0 && q.size(1) % (layer_kv.size(0) / 2) == 0,
+              "query heads in whole groups of the kv heads");
+  const int64_t store_blocks = layer_kv.size(1) / block_size;
+  const int64_t* t = tables.data_ptr<int64_t>();
+  for (int64_t i = 0; i < tables.numel(); ++i)
+    TORCH_CHECK(t[i] >= 0 && t[i] < store_blocks, "block id out of the store");
+  const int64_t* l = lens.data_ptr<int64_t>();
+  for (int64_t i = 0; i < lens.numel(); ++i)
+    TORCH_CHECK(l[i] >= 1 && l[i] <= tables.size(1) * block_size, "context length out of its table");
+}
+
+}  // namespace
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_kv,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens,
                                   int64_t block_size, double scale, const std::string& variant) {
@@ -33,17 +54,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_k
               "int64 block tables and context lengths");
   auto tables = block_tables.contiguous();
   auto lens = context_lens.contiguous();
-  // Cheap checks (a few thousand integers) that keep a bad table from reading out of bounds.
-  TORCH_CHECK(tables.size(0) == q.size(0) && lens.size(0) == q.size(0), "one row per sequence");
-  TORCH_CHECK(layer_kv.size(0) % 2 == 0 && q.size(1) % (layer_kv.size(0) / 2) == 0,
-              "query heads in whole groups of the kv heads");
-  const int64_t store_blocks = layer_kv.size(1) / block_size;
-  const int64_t* t = tables.data_ptr<int64_t>();
-  for (int64_t i = 0; i < tables.numel(); ++i)
-    TORCH_CHECK(t[i] >= 0 && t[i] < store_blocks, "block id out of the store");
+  TORCH_CHECK(tables.size(0) == q.size(0), "one row per sequence");
+  check_tables(q, layer_kv, tables, lens, block_size);
   const int64_t* l = lens.data_ptr<int64_t>();
-  for (int64_t i = 0; i < lens.numel(); ++i)
-    TORCH_CHECK(l[i] >= 1 && l[i] <= tables.size(1) * block_size, "context length out of its table");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "float32 or bfloat16");
   auto out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
   const auto* kernels = kvp::variant(variant).attention;
@@ -100,13 +113,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& layer_kv,
   auto lens = context_lens.contiguous();
   auto starts = query_start.contiguous();
   const int64_t seqs = tables.size(0);
-  TORCH_CHECK(lens.size(0) == seqs && starts.size(0) == seqs + 1, "one row per sequence");
-  TORCH_CHECK(layer_kv.size(0) % 2 == 0 && q.size(1) % (layer_kv.size(0) / 2) == 0,
-              "query heads in whole groups of the kv heads");
-  const int64_t store_blocks = layer_kv.size(1) / block_size;
+  TORCH_CHECK(starts.size(0) == seqs + 1, "one query start per sequence, and the end");
+  check_tables(q, layer_kv, tables, lens, block_size);
   const int64_t* t = tables.data_ptr<int64_t>();
-  for (int64_t i = 0; i < tables.numel(); ++i)
-    TORCH_CHECK(t[i] >= 0 && t[i] < store_blocks, "block id out of the store");
   const int64_t* l = lens.data_ptr<int64_t>();
   const int64_t* st = starts.data_ptr<int64_t>();
   TORCH_CHECK(st[0] == 0 && st[seqs] == q.size(0), "query starts from 0 to the tokens of q");
@@ -115,7 +124,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& layer_kv,
   for (int64_t s = 0; s < seqs; ++s) {
     const int64_t nq = st[s + 1] - st[s];
     TORCH_CHECK(nq >= 1 && nq <= l[s], "each sequence brings 1 .. context new tokens");
-    TORCH_CHECK(l[s] <= tables.size(1) * block_size, "context length out of its table");
     for (int64_t j = 0; j < nq; j += tile) {
       tiles.push_back(s);
       tiles.push_back(j);
