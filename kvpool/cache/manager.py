@@ -291,14 +291,17 @@ class KVCacheManager:
         hits: list[Block] = []
         keys: list[BlockHash] = []
         tiered: list[tuple[list[int], BlockHash, bytes, bytes, Payload | None]] = []
+        max_blocks = (len(tokens) - 1) // bs
         if self.enable_prefix_caching:
-            max_blocks = (len(tokens) - 1) // bs
             hits, keys = self._match_prefix(tokens, salt_b, max_blocks, public)
-            tiered = self._match_tier(tokens, salt_b, hits, keys, max_blocks, public)
         num_new = self.blocks_needed(max(len(tokens), reserve_tokens)) - len(hits)
         available = self.pool.num_free - sum(1 for block in hits if block.ref_count == 0)
         if num_new + keep_free > available:
             raise OutOfBlocks(num_new + keep_free, available, "allocate")
+        # Blocks found in the tier take new blocks like computed ones, so they do not
+        # change the count above; they are read (and verified) only once it has passed:
+        # a request that waits for room is not read again at every step.
+        tiered = self._match_tier(tokens, salt_b, hits, keys, max_blocks, public)
 
         for block in hits:
             self.pool.acquire(block)
