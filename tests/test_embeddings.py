@@ -56,38 +56,33 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 
-@pytest.fixture
-def server(fp32_server):
-    return fp32_server
-
-
 def _norm(v) -> float:
     return math.sqrt(sum(x * x for x in v))
 
 
-def test_ollama_and_openai_clients_get_embeddings(server, fp32_model):
+def test_ollama_and_openai_clients_get_embeddings(fp32_server, fp32_model):
     hidden = fp32_model.config.hidden_size
     texts = ["The pool keeps blocks.", "Bananas are yellow.", "The pool keeps blocks."]
-    got = ollama.Client(host=server.url).embed(model="smollm2:135m", input=texts)
+    got = ollama.Client(host=fp32_server.url).embed(model="smollm2:135m", input=texts)
     vectors = got.embeddings
     assert len(vectors) == 3 and all(len(v) == hidden for v in vectors)
     assert all(abs(_norm(v) - 1) < 1e-4 for v in vectors)
     assert max(abs(a - b) for a, b in zip(vectors[0], vectors[2], strict=True)) < 1e-4
-    alone = ollama.Client(host=server.url).embed(model="smollm2:135m", input=texts[1])
+    alone = ollama.Client(host=fp32_server.url).embed(model="smollm2:135m", input=texts[1])
     assert max(abs(a - b) for a, b in zip(alone.embeddings[0], vectors[1], strict=True)) < 1e-4
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
+    client = openai.OpenAI(base_url=f"{fp32_server.url}/v1", api_key="-")
     reply = client.embeddings.create(model="smollm2:135m", input=texts)
     assert [d.index for d in reply.data] == [0, 1, 2] and reply.usage.prompt_tokens > 0
     assert max(abs(a - b) for a, b in zip(reply.data[1].embedding, vectors[1], strict=True)) < 1e-4
     short = client.embeddings.create(model="smollm2:135m", input=texts[0], dimensions=64)
     assert len(short.data[0].embedding) == 64 and abs(_norm(short.data[0].embedding) - 1) < 1e-4
     old = httpx.post(
-        f"{server.url}/api/embeddings", json={"model": "smollm2:135m", "prompt": texts[0]}
+        f"{fp32_server.url}/api/embeddings", json={"model": "smollm2:135m", "prompt": texts[0]}
     )
     assert old.status_code == 200 and len(old.json()["embedding"]) == hidden
 
 
-def test_bad_embedding_requests_are_400s(server):
+def test_bad_embedding_requests_are_400s(fp32_server):
     for path, body in (
         ("/api/embed", {"model": "smollm2:135m", "input": []}),
         ("/api/embed", {"model": "smollm2:135m", "input": [""]}),
@@ -96,7 +91,7 @@ def test_bad_embedding_requests_are_400s(server):
         ("/v1/embeddings", {"model": "smollm2:135m", "input": "x", "dimensions": 0}),
         ("/v1/embeddings", {"model": "smollm2:135m", "input": [[1, 2, 10**9]]}),
     ):
-        r = httpx.post(f"{server.url}{path}", json=body)
+        r = httpx.post(f"{fp32_server.url}{path}", json=body)
         assert r.status_code == 400, (path, body, r.text)
         assert "error" in r.json()
-    assert httpx.get(f"{server.url}/api/kvcache").json()["used_blocks"] == 0
+    assert httpx.get(f"{fp32_server.url}/api/kvcache").json()["used_blocks"] == 0

@@ -68,16 +68,11 @@ ollama = pytest.importorskip("ollama")
 httpx = pytest.importorskip("httpx")
 
 
-@pytest.fixture
-def server(fp32_server):
-    return fp32_server
-
-
 MESSAGES = [{"role": "user", "content": "Name a fruit."}]
 
 
-def test_openai_chat_logprobs_match_the_reference(server, reference_model, default_tokenizer):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
+def test_openai_chat_logprobs_match_the_reference(fp32_server, reference_model, default_tokenizer):
+    client = openai.OpenAI(base_url=f"{fp32_server.url}/v1", api_key="-")
     reply = client.chat.completions.create(
         model="smollm2:135m", messages=MESSAGES, max_tokens=5, temperature=0,
         logprobs=True, top_logprobs=5,
@@ -96,8 +91,8 @@ def test_openai_chat_logprobs_match_the_reference(server, reference_model, defau
     assert abs(first.logprob - first.top_logprobs[0].logprob) < 1e-6  # greedy: the best
 
 
-def test_streamed_and_legacy_completion_logprobs(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
+def test_streamed_and_legacy_completion_logprobs(fp32_server):
+    client = openai.OpenAI(base_url=f"{fp32_server.url}/v1", api_key="-")
     stream = client.chat.completions.create(
         model="smollm2:135m", messages=MESSAGES, max_tokens=6, temperature=0,
         logprobs=True, top_logprobs=2, stream=True,
@@ -114,8 +109,8 @@ def test_streamed_and_legacy_completion_logprobs(server):
     assert "".join(lp.tokens) == done.choices[0].text
 
 
-def test_ollama_logprobs(server):
-    client = ollama.Client(host=server.url)
+def test_ollama_logprobs(fp32_server):
+    client = ollama.Client(host=fp32_server.url)
     reply = client.chat(
         model="smollm2:135m", messages=MESSAGES, options={"num_predict": 4, "temperature": 0},
         logprobs=True, top_logprobs=3,
@@ -130,8 +125,8 @@ def test_ollama_logprobs(server):
     assert len(entries) == 4 and all(e.logprob <= 0 for e in entries)
 
 
-def test_vllm_sampling_extensions_and_bad_logprob_requests(server):
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="-")
+def test_vllm_sampling_extensions_and_bad_logprob_requests(fp32_server):
+    client = openai.OpenAI(base_url=f"{fp32_server.url}/v1", api_key="-")
     greedy = client.chat.completions.create(
         model="smollm2:135m", messages=MESSAGES, max_tokens=8, temperature=0
     )
@@ -140,7 +135,7 @@ def test_vllm_sampling_extensions_and_bad_logprob_requests(server):
         extra_body={"top_k": 1, "min_p": 0.1, "repetition_penalty": 1.0},
     )  # fmt: skip
     assert top1.choices[0].message.content == greedy.choices[0].message.content
-    url = f"{server.url}/v1/chat/completions"
+    url = f"{fp32_server.url}/v1/chat/completions"
     for bad in (
         {"logprobs": True, "top_logprobs": 21},
         {"top_logprobs": 2},
@@ -151,5 +146,5 @@ def test_vllm_sampling_extensions_and_bad_logprob_requests(server):
         r = httpx.post(url, json={"messages": MESSAGES, "max_tokens": 2, **bad})
         assert r.status_code == 400, (bad, r.text)
         assert "error" in r.json()
-    r = httpx.post(f"{server.url}/api/chat", json={"messages": MESSAGES, "top_logprobs": 50})
+    r = httpx.post(f"{fp32_server.url}/api/chat", json={"messages": MESSAGES, "top_logprobs": 50})
     assert r.status_code == 400

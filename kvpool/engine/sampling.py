@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -134,18 +135,12 @@ class Sampler:
         else:
             self.generator.seed()
 
-    def sample(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        prompt_ids: Sequence[Sequence[int]],
-        output_ids: Sequence[Sequence[int]],
-        generators: Sequence[torch.Generator | None],
-    ) -> list[int]:
-        """One token per row of ``logits`` ``[B, vocab]``, on any device: greedy rows take
-        their argmax there; penalties and random draws run on the CPU (the generators
-        are CPU generators, so a seed gives the same tokens whatever the device)."""
-        return self.sample_logprobs(logits, params, prompt_ids, output_ids, generators)[0]
+    def sample(self, *args: Any) -> list[int]:
+        """One token per row of ``logits`` ``[B, vocab]`` (``sample_logprobs``'
+        arguments), on any device: greedy rows take their argmax there; penalties and
+        random draws run on the CPU (the generators are CPU generators, so a seed gives
+        the same tokens whatever the device)."""
+        return self.sample_logprobs(*args)[0]
 
     def sample_logprobs(
         self,
