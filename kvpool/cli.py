@@ -37,6 +37,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         print(kv_tier.run((args.kv_cache_memory or 16) * 2**20, args.requests or 32))
         return 0
+    if args.what == "grammar":
+        from kvpool.bench import grammar
+
+        print(grammar.run())
+        return 0
     if args.what == "serve":
         from kvpool.bench import serve
 
@@ -128,13 +133,23 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark and print its table")
     bench.add_argument(
         "what",
-        choices=["cache", "model", "engine", "kv-dtype", "kv-tier", "serve", "synth-model"],
+        choices=[
+            "cache",
+            "model",
+            "engine",
+            "kv-dtype",
+            "kv-tier",
+            "grammar",
+            "serve",
+            "synth-model",
+        ],
         help="cache: the block manager's own cost; model: the runtime beside transformers "
         "and llama.cpp; engine: workloads with prefix caching on/off and the static policy; "
         "serve: the workloads over HTTP against kvpool and/or other servers; synth-model: "
         "write a random-weight GGUF file with a real model's geometry and quant mix; "
         "kv-dtype: KV block dtypes' quality against float32 and capacity on a small budget; "
-        "kv-tier: the second KV tier's time to first token and workloads with it on/off",
+        "kv-tier: the second KV tier's time to first token and workloads with it on/off; "
+        "grammar: llguidance beside xgrammar, and what constrained rows cost a batch",
     )
     bench.add_argument(
         "--requests", type=int, default=None,

@@ -31,10 +31,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from kvpool.engine.engine import PIN_PARAMS, Engine
-from kvpool.engine.errors import EngineStopped, RequestFailed
+from kvpool.engine.errors import EngineStopped, RequestError, RequestFailed
 from kvpool.engine.outputs import RequestOutput
 from kvpool.engine.sampling import SamplingParams
 from kvpool.engine.snapshot import EngineSnapshot, TenantSnapshot
+from kvpool.engine.structured import ResponseFormat
 
 log = logging.getLogger("kvpool.engine")
 T = TypeVar("T")
@@ -209,6 +210,15 @@ class AsyncLLM:
         """Drop every cached block that no request holds and no pin keeps; returns how
         many were dropped. ``unpin``: drop every pin first; ``tier``: empty the tier."""
         return await self._call(lambda: self.engine.reset_prefix_cache(unpin=unpin, tier=tier))
+
+    async def check_format(self, fmt: ResponseFormat, budget: int) -> None:
+        """Compile a response format on a worker thread (the compiler is thread-safe and
+        keeps it for the engine, so the check at submission finds it compiled) and check
+        it completes within ``budget`` tokens: ``InvalidSamplingParams`` if not."""
+        grammars = self.engine.grammars
+        if grammars is None:
+            raise RequestError("structured output needs the model's tokenizer")
+        await asyncio.to_thread(grammars.check, fmt, budget)
 
     async def stats(self) -> EngineSnapshot:
         """A fresh snapshot, taken on the engine thread between steps."""

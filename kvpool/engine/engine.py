@@ -35,12 +35,18 @@ from kvpool.engine.request import PinOrder, Request, Status
 from kvpool.engine.sampling import Sampler, SamplingParams, TokenLogprobs, seed_bits
 from kvpool.engine.scheduler import Scheduler, Work
 from kvpool.engine.snapshot import EngineSnapshot, TenantSnapshot
+from kvpool.engine.structured import GrammarCompiler
 from kvpool.model.kv_store import kv_dtype_name, kv_element_bytes, kv_torch_dtype
 from kvpool.model.llama import LlamaModel
 from kvpool.model.runner import ModelRunner, SeqChunk
 from kvpool.model.tokenizer import Tokenizer
 
 log = logging.getLogger("kvpool.engine")
+
+
+class _RowsFailed(Exception):
+    """Some rows' grammars failed before the draw: draw the others one by one."""
+
 
 # A pin request computes its prefix and one token, whatever the model says.
 PIN_PARAMS = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -103,6 +109,8 @@ class Engine:
         self.stop_ids = frozenset(tokenizer.stop_ids if tokenizer is not None else ())
         self.context_length = model.config.context_length
         self.vocab_size = model.vocab_rows
+        # response formats compiled against the tokenizer (on first use)
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size) if tokenizer else None
         # samples of each request in flight, by request id (sample 0 first)
         self._requests: dict[str, list[Request]] = {}
         # Prefixes (pinned system prompts) that every tenant may share: a salted request
@@ -218,6 +226,9 @@ class Engine:
         request = Request(request_id, prompt, params, salt, arrival=time.monotonic(), pin=pin)
         request.forks_pending = params.n - 1
         request.reserve_tokens = self._reserve(prompt, params)
+        if params.response_format is not None:
+            assert self.grammars is not None  # (check_request)
+            request.grammar = self.grammars.start(params.response_format)
         if salt is not None:
             request.public_tokens = max(
                 (len(p) for p in self._shared_prefixes if tuple(prompt[: len(p)]) == p),
@@ -231,8 +242,10 @@ class Engine:
         """Raise a ``RequestError`` for an empty prompt, a token id outside the
         vocabulary (``InvalidTokens``), a prompt that leaves no room in the context
         (``PromptTooLong``), or a request whose KV could not fit even in the empty pool
-        (``PromptExceedsPool``). Reads only what never changes after construction, so
-        any thread may call it (a server checks before handing the request over)."""
+        (``PromptExceedsPool``); ``InvalidSamplingParams`` for a response format that
+        does not compile or cannot complete within the request's tokens. Reads only what
+        never changes after construction (and a thread-safe grammar cache), so any thread
+        may call it (a server checks before handing the request over)."""
         if not prompt:
             raise RequestError("the prompt is empty")
         self.check_tokens(prompt)
@@ -241,6 +254,11 @@ class Engine:
                 f"the prompt has {len(prompt)} tokens; the model's context holds "
                 f"{self.context_length} (prompt + output)"
             )
+        if params.response_format is not None:
+            if self.grammars is None:
+                raise RequestError("structured output needs the model's tokenizer")
+            budget = min(params.max_tokens, self.context_length - len(prompt))
+            self.grammars.check(params.response_format, budget)
         reserve = self._reserve(prompt, params)
         blocks, size = self._manager.num_blocks, self._manager.block_size
         need = -(-max(len(prompt) + 1, reserve) // size)
@@ -378,6 +396,9 @@ class Engine:
                     if lp is not None:
                         request.logprobs.append(lp)
                     reason = self._finish_reason(request, token)
+                    grammar = request.grammar
+                    if grammar is not None and (grammar.complete or (reason and grammar.accepting)):
+                        reason = "stop"  # the document is whole (the closing saw to it)
                     if reason:
                         self._scheduler.finish(request, reason)
                 progressed.append(request)
@@ -472,32 +493,70 @@ class Engine:
     def _sample_isolating(
         self, logits: torch.Tensor, requests: list[Request]
     ) -> tuple[list[int | None], list[TokenLogprobs | None]]:
-        """One token per row (and its logprobs where asked); if the batched sampler
-        raises, each row is drawn alone and the rows that still raise end their requests
-        (None in their place)."""
+        """One token per row (and its logprobs where asked), each within its grammar
+        where it has one; if the batched sampler raises, each row is drawn alone, and a
+        row whose drawing (or grammar) still raises ends its request alone (None in its
+        place)."""
         args = (
             [r.params for r in requests],
             [r.prompt_ids for r in requests],
             [r.output_ids for r in requests],
             [r.generator for r in requests],
         )
-        try:
-            sampled, logprobs = self._sampler.sample_logprobs(logits, *args)
-            return list(sampled), logprobs
-        except Exception:
-            tokens: list[int | None] = []
-            lps: list[TokenLogprobs | None] = []
-            for i, request in enumerate(requests):
+        allowed: list[torch.Tensor | None] = [None] * len(requests)
+        broken: set[int] = set()
+        for i, request in enumerate(requests):
+            if request.grammar is not None:
                 try:
-                    one = [a[i : i + 1] for a in args]
+                    allowed[i] = request.grammar.allowed(self._budget(request))
+                except Exception as exc:
+                    self._fail(request, exc)
+                    broken.add(i)
+        tokens: list[int | None]
+        logprobs: list[TokenLogprobs | None]
+        try:
+            if broken:
+                raise _RowsFailed
+            sampled, lps = self._sampler.sample_logprobs(logits, *args, allowed)
+            tokens, logprobs = list(sampled), list(lps)
+        except Exception:
+            tokens, logprobs = [], []
+            for i, request in enumerate(requests):
+                if i in broken:
+                    tokens.append(None)
+                    logprobs.append(None)
+                    continue
+                try:
+                    one = [a[i : i + 1] for a in (*args, allowed)]
                     token, lp = self._sampler.sample_logprobs(logits[i : i + 1], *one)
                     tokens.extend(token)
-                    lps.extend(lp)
+                    logprobs.extend(lp)
                 except Exception as exc:
                     self._fail(request, exc)
                     tokens.append(None)
-                    lps.append(None)
-            return tokens, lps
+                    logprobs.append(None)
+        for i, request in enumerate(requests):
+            token = tokens[i]
+            if request.grammar is None or token is None:
+                continue
+            try:
+                taken = request.grammar.accept(token, self._budget(request))
+            except Exception as exc:
+                self._fail(request, exc)
+                tokens[i] = logprobs[i] = None
+                continue
+            if taken != token:  # the closing's token in place of the drawn one
+                tokens[i] = taken
+                if logprobs[i] is not None:
+                    logprobs[i] = self._sampler.logprobs_of(
+                        logits[i], request.params, request.prompt_ids, request.output_ids, taken
+                    )
+        return tokens, logprobs
+
+    def _budget(self, request: Request) -> int:
+        """The tokens ``request`` may still produce (its next one included)."""
+        left = request.params.max_tokens - len(request.output_ids)
+        return max(1, min(left, self.context_length - len(request.tokens)))
 
     def _fail(self, request: Request, exc: BaseException) -> Request:
         """End ``request`` with ``error``: its blocks are freed, the log has the cause."""
@@ -571,6 +630,7 @@ class Engine:
             tokens=list(request.tokens),
             index=index,
             parent=request,
+            grammar=request.grammar.copy() if request.grammar is not None else None,
         )
         self._requests.setdefault(request.request_id, [request]).append(sample)
         return sample

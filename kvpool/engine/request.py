@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpool.engine.sampling import SamplingParams, TokenLogprobs
+from kvpool.engine.structured import GrammarState
 
 
 class Status(enum.Enum):
@@ -61,6 +62,7 @@ class Request:
     # one per output token when params.logprobs asks for them
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     embedding: list[float] | None = None  # params.embedding: set when the prompt is done
+    grammar: GrammarState | None = None  # params.response_format: where the output is in it
 
     def __post_init__(self) -> None:
         if not self.tokens:

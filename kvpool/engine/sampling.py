@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from kvpool.engine.structured import ResponseFormat
 
 
 class InvalidSamplingParams(ValueError):
@@ -75,6 +78,8 @@ class SamplingParams:
     # No generation: the request ends after its prompt with the last token's final-normed
     # hidden state, L2-normalized, as its embedding (RequestOutput.embedding).
     embedding: bool = False
+    # Structured output: the output must satisfy this grammar (kvpool.engine.structured).
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         low, high = SEED_RANGE
@@ -149,29 +154,54 @@ class Sampler:
         prompt_ids: Sequence[Sequence[int]],
         output_ids: Sequence[Sequence[int]],
         generators: Sequence[torch.Generator | None],
+        allowed: Sequence[torch.Tensor | None] | None = None,
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """``sample``, and for each row whose params ask for ``logprobs`` its token's
-        ``TokenLogprobs`` (None for the others)."""
+        ``TokenLogprobs`` (None for the others). ``allowed``: per row, None or the tokens
+        its grammar allows (bool, one per vocabulary row); the others are set to -inf
+        before the draw, after the logprobs (which are the model's, not the grammar's).
+        Rows without a mask are not touched."""
         logits = logits.float()
         penalties = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty
                         for p in params)  # fmt: skip
-        if logits.device.type != "cpu" and (penalties or not all(p.greedy for p in params)):
+        masked = allowed is not None and any(a is not None for a in allowed)
+        if logits.device.type != "cpu" and (
+            penalties or masked or not all(p.greedy for p in params)
+        ):
             logits = logits.cpu()
-        if penalties:
+        if penalties or masked:
             logits = logits.clone()
+        if penalties:
             _apply_penalties(logits, params, prompt_ids, output_ids)
+        rows = {
+            i: torch.log_softmax(logits[i], dim=-1)
+            for i, p in enumerate(params)
+            if p.logprobs is not None
+        }
+        if masked:
+            assert allowed is not None
+            for i, keep in enumerate(allowed):
+                if keep is not None:
+                    logits[i].masked_fill_(~keep[: logits.shape[1]], float("-inf"))
         tokens = self._draw(logits, params, generators)
         out: list[TokenLogprobs | None] = [None] * len(tokens)
-        for i, p in enumerate(params):
-            if p.logprobs is None:
-                continue
-            row = torch.log_softmax(logits[i].float(), dim=-1)
-            best: tuple[tuple[int, float], ...] = ()
-            if p.logprobs:
-                top = row.topk(p.logprobs)
-                best = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-            out[i] = TokenLogprobs(tokens[i], float(row[tokens[i]]), best)
+        for i, row in rows.items():
+            out[i] = token_logprobs(row, tokens[i], params[i].logprobs or 0)
         return tokens, out
+
+    def logprobs_of(
+        self,
+        logits: torch.Tensor,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        output_ids: Sequence[int],
+        token: int,
+    ) -> TokenLogprobs:
+        """``token``'s logprobs in one row of logits, as ``sample_logprobs`` gives them
+        (for a token the engine put in place of the drawn one)."""
+        row = logits.float().cpu().clone()[None]
+        _apply_penalties(row, [params], [prompt_ids], [output_ids])
+        return token_logprobs(torch.log_softmax(row[0], dim=-1), token, params.logprobs or 0)
 
     def _draw(
         self,
@@ -216,6 +246,15 @@ class Sampler:
             pick = int(race.argmax())
             out[i] = pick if ids is None else int(ids[pick])
         return out
+
+
+def token_logprobs(row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """``token``'s entry in a log-softmax row, with the row's ``k`` best."""
+    best: tuple[tuple[int, float], ...] = ()
+    if k:
+        top = row.topk(k)
+        best = tuple(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    return TokenLogprobs(token, float(row[token]), best)
 
 
 def _best_candidates(

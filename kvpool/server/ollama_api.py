@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from kvpool import __version__
 from kvpool.server import logprobs
 from kvpool.server.errors import bad_request, read_json, stream_error
+from kvpool.server.formats import constrained, ollama_format
 from kvpool.server.generation import Generation, Outcome
 from kvpool.server.params import ollama_params
 from kvpool.server.served_model import ServedModel
@@ -76,9 +77,7 @@ def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-def _unsupported(format: Any = None, images: Any = None, tools: Any = None) -> None:
-    if format:
-        raise bad_request("structured output (format) is not supported by kvpool")
+def _unsupported(images: Any = None, tools: Any = None) -> None:
     if images:
         raise bad_request("images are not supported: kvpool serves text models")
     if tools:
@@ -125,7 +124,7 @@ def _ndjson(
 async def generate(http: Request, state: State) -> Any:
     body = await read_json(http, GenerateBody)
     model = state.check_model(body.model)
-    _unsupported(body.format, body.images)
+    _unsupported(body.images)
     if body.suffix:
         raise bad_request("suffix (fill-in-the-middle) is not supported by kvpool")
     if not body.prompt and not body.context:
@@ -140,6 +139,7 @@ async def generate(http: Request, state: State) -> Any:
     ids = model.check_tokens(list(body.context or []), "context") + ids
     asked = logprobs.requested(body.logprobs, body.top_logprobs, "/api/generate")
     params = ollama_params(body.options, len(ids), model.context_length, asked)
+    params = await constrained(params, ollama_format(body.format), model, len(ids))
     generation = await Generation.start(
         model, http, ids, params, tenant_of(http), state.metrics, "ollama"
     )
@@ -169,7 +169,7 @@ async def generate(http: Request, state: State) -> Any:
 async def chat(http: Request, state: State) -> Any:
     body = await read_json(http, ChatBody)
     model = state.check_model(body.model)
-    _unsupported(body.format, any(m.images for m in body.messages), body.tools)
+    _unsupported(any(m.images for m in body.messages), body.tools)
     if not body.messages:
         return {"model": model.name, "created_at": _now(),
                 "message": {"role": "assistant", "content": ""}, "done": True,
@@ -181,6 +181,7 @@ async def chat(http: Request, state: State) -> Any:
         raise bad_request(str(exc)) from None
     asked = logprobs.requested(body.logprobs, body.top_logprobs, "/api/chat")
     params = ollama_params(body.options, len(ids), model.context_length, asked)
+    params = await constrained(params, ollama_format(body.format), model, len(ids))
     generation = await Generation.start(
         model, http, ids, params, tenant_of(http), state.metrics, "ollama"
     )

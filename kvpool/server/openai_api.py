@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kvpool.server import logprobs
 from kvpool.server.errors import APIError, bad_request, read_json, stream_error
+from kvpool.server.formats import constrained, openai_response_format
 from kvpool.server.generation import Generation, Outcome
 from kvpool.server.params import openai_params
 from kvpool.server.state import ServerState, State, tenant_of
@@ -134,8 +135,7 @@ async def chat_completions(http: Request, state: State) -> Any:
     _check_common(body)
     if body.tools:
         raise bad_request("tool calling is not supported by kvpool")
-    if body.response_format and body.response_format.get("type") not in (None, "text"):
-        raise bad_request("response_format other than text is not supported by kvpool")
+    fmt = openai_response_format(body.response_format)
     if not body.messages:
         raise bad_request("messages must not be empty")
     messages = [
@@ -147,6 +147,7 @@ async def chat_completions(http: Request, state: State) -> Any:
     except ValueError as exc:
         raise bad_request(str(exc)) from None
     params = openai_params(body, len(ids), model.context_length, _chat_logprobs(body))
+    params = await constrained(params, fmt, model, len(ids))
     generation = await Generation.start(
         model, http, ids, params, tenant_of(http), state.metrics, "openai"
     )

@@ -16,6 +16,7 @@ from kvpool.engine.async_llm import AsyncLLM, RequestStream
 from kvpool.engine.errors import InvalidTokens
 from kvpool.engine.sampling import SamplingParams
 from kvpool.engine.snapshot import EngineSnapshot
+from kvpool.engine.structured import ResponseFormat
 from kvpool.formats.gguf_header import read_gguf_header
 from kvpool.model.loader import LoadedModel
 from kvpool.model_store import DEFAULT_ALIASES
@@ -104,6 +105,11 @@ class ServedModel:
         return self.loaded.tokenizer.chat_template or ""
 
     # -- the engine ------------------------------------------------------------------------
+    async def check_format(self, fmt: ResponseFormat, budget: int) -> None:
+        """Compile ``fmt`` off the event loop (cached for the engine) and check it
+        completes within ``budget`` tokens; raises ``InvalidSamplingParams``."""
+        await self.llm.check_format(fmt, budget)
+
     async def submit(
         self, ids: list[int], params: SamplingParams, *, salt: str | None
     ) -> RequestStream:
