@@ -148,9 +148,10 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
     def render_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
     ) -> str:
-        """The conversation as the model's chat template writes it."""
+        """The conversation as the model's chat template writes it (``extra``: more
+        template variables, such as ``tools``)."""
         template = self._compiled_template()
         token = self.token_text
         return template.render(
@@ -158,6 +159,7 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=token(self.bos_id) if self.bos_id is not None else "",
             eos_token=token(self.eos_id) if self.eos_id is not None else "",
+            **extra,
         )
 
     def _compiled_template(self) -> Any:

@@ -17,7 +17,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from kvpool import __version__
-from kvpool.server import logprobs
+from kvpool.server import logprobs, tools
 from kvpool.server.errors import bad_request, read_json, stream_error
 from kvpool.server.formats import constrained, ollama_format
 from kvpool.server.generation import Generation, Outcome
@@ -54,6 +54,8 @@ class Message(_Body):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     images: list[str] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_name: str | None = None  # a tool turn: which tool answered
 
 
 class ChatBody(_Body):
@@ -77,11 +79,25 @@ def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-def _unsupported(images: Any = None, tools: Any = None) -> None:
+def _unsupported(images: Any = None) -> None:
     if images:
         raise bad_request("images are not supported: kvpool serves text models")
-    if tools:
-        raise bad_request("tool calling is not supported by kvpool")
+
+
+def _message(m: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise bad_request("tool_calls entries need function.name")
+            args = fn.get("arguments") or {}
+            if not isinstance(args, dict):
+                raise bad_request("tool_calls function.arguments must be an object")
+            calls.append({"name": fn["name"], "arguments": args})
+        out["tool_calls"] = calls
+    return out
 
 
 def _final_stats(out: Outcome) -> dict[str, Any]:
@@ -169,16 +185,12 @@ async def generate(http: Request, state: State) -> Any:
 async def chat(http: Request, state: State) -> Any:
     body = await read_json(http, ChatBody)
     model = state.check_model(body.model)
-    _unsupported(any(m.images for m in body.messages), body.tools)
+    _unsupported(any(m.images for m in body.messages))
     if not body.messages:
         return {"model": model.name, "created_at": _now(),
                 "message": {"role": "assistant", "content": ""}, "done": True,
                 "done_reason": "load"}  # fmt: skip
-    messages = [{"role": m.role, "content": m.content} for m in body.messages]
-    try:
-        ids = model.encode_chat(messages)
-    except ValueError as exc:  # the template refused the conversation
-        raise bad_request(str(exc)) from None
+    ids, plan = tools.prepare(model, [_message(m) for m in body.messages], body.tools, None)
     asked = logprobs.requested(body.logprobs, body.top_logprobs, "/api/chat")
     params = ollama_params(body.options, len(ids), model.context_length, asked)
     params = await constrained(params, ollama_format(body.format), model, len(ids))
@@ -186,22 +198,30 @@ async def chat(http: Request, state: State) -> Any:
         model, http, ids, params, tenant_of(http), state.metrics, "ollama"
     )
 
+    split = plan.stream()
+
     def piece(text: str) -> dict[str, Any]:
+        text = split.feed(text) if split is not None else text
         return {"model": model.name, "created_at": _now(),
                 "message": {"role": "assistant", "content": text}, "done": False}  # fmt: skip
 
-    def final(out: Outcome) -> dict[str, Any]:
-        return {"model": model.name, "created_at": _now(),
-                "message": {"role": "assistant", "content": ""}, **_final_stats(out)}  # fmt: skip
+    def reply(out: Outcome, content: str, calls: list[tools.ToolCall]) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.ollama() for c in calls]
+        return {"model": model.name, "created_at": _now(), "message": message,
+                **_final_stats(out)}  # fmt: skip
+
+    def final(out: Outcome) -> dict[str, Any]:  # a stream's last line
+        return reply(out, *(split.finish() if split is not None else ("", [])))
 
     if body.stream:
         return _ndjson(generation, piece, final, model, asked is not None)
     out = await generation.run()
-    reply = final(out)
-    reply["message"]["content"] = out.samples[0].text
+    answer = reply(out, *plan.split(out.samples[0].text))
     if asked is not None:
-        reply["logprobs"] = logprobs.ollama(out.samples[0].logprobs, model.piece)
-    return reply
+        answer["logprobs"] = logprobs.ollama(out.samples[0].logprobs, model.piece)
+    return answer
 
 
 @router.get("/api/tags")

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from kvpool.server import logprobs
+from kvpool.server import logprobs, tools
 from kvpool.server.errors import APIError, bad_request, read_json, stream_error
 from kvpool.server.formats import constrained, openai_response_format
 from kvpool.server.generation import Generation, Outcome
@@ -57,12 +57,15 @@ class _Common(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
 class ChatBody(_Common):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
 
@@ -70,6 +73,41 @@ class CompletionBody(_Common):
     prompt: str | list[int] | list[str]
     echo: bool = False
     suffix: str | None = None
+
+
+def _message(m: ChatMessage) -> dict[str, Any]:
+    """A chat message for the template: system for developer, calls with dict arguments."""
+    out: dict[str, Any] = {
+        "role": "system" if m.role == "developer" else m.role,
+        "content": _text_content(m),
+    }
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise bad_request("tool_calls entries need function.name")
+            args = fn.get("arguments", "{}")
+            try:
+                args = json.loads(args) if isinstance(args, str) else args
+            except ValueError:
+                raise bad_request("tool_calls function.arguments must be JSON") from None
+            calls.append({"name": fn["name"], "arguments": args})
+        out["tool_calls"] = calls
+    return out
+
+
+def _chat_choice(text: str, reason: str | None, plan: tools.ToolPlan) -> dict[str, Any]:
+    """A whole reply's message and finish reason, its tool calls parsed out."""
+    content, calls = plan.split(text)
+    if not calls:
+        return {"message": {"role": "assistant", "content": text}, "finish_reason": reason}
+    message = {
+        "role": "assistant",
+        "content": content or None,
+        "tool_calls": [c.openai() for c in calls],
+    }
+    return {"message": message, "finish_reason": "tool_calls"}
 
 
 def _text_content(message: ChatMessage) -> str:
@@ -133,19 +171,16 @@ async def chat_completions(http: Request, state: State) -> Any:
     body = await read_json(http, ChatBody)
     model = state.check_model(body.model)
     _check_common(body)
-    if body.tools:
-        raise bad_request("tool calling is not supported by kvpool")
     fmt = openai_response_format(body.response_format)
     if not body.messages:
         raise bad_request("messages must not be empty")
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": _text_content(m)}
-        for m in body.messages
-    ]
-    try:
-        ids = model.encode_chat(messages)
-    except ValueError as exc:
-        raise bad_request(str(exc)) from None
+    ids, plan = tools.prepare(
+        model, [_message(m) for m in body.messages], body.tools, body.tool_choice
+    )
+    if plan.forced is not None:
+        if fmt is not None:
+            raise bad_request("response_format cannot be combined with a forced tool_choice")
+        fmt = plan.forced
     params = openai_params(body, len(ids), model.context_length, _chat_logprobs(body))
     params = await constrained(params, fmt, model, len(ids))
     generation = await Generation.start(
@@ -159,15 +194,28 @@ async def chat_completions(http: Request, state: State) -> Any:
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
             base = {**head, "object": "chat.completion.chunk"}
+            splits = [plan.stream() for _ in range(params.n)]
             for i in range(params.n):
                 yield {**base, "choices": [{"index": i, "finish_reason": None,
                        "delta": {"role": "assistant", "content": ""}}]}  # fmt: skip
             async for delta in generation.deltas():
                 if delta.text or delta.finish_reason or (want_logprobs and delta.logprobs):
+                    text, reason, message = delta.text, _reason(delta.finish_reason), {}
+                    split = splits[delta.index]
+                    if split is not None:
+                        text = split.feed(text)
+                        if delta.finish_reason:
+                            rest, calls = split.finish()
+                            text += rest
+                            if calls:
+                                message["tool_calls"] = [c.openai(k) for k, c in enumerate(calls)]
+                                reason = "tool_calls"
+                    if text:
+                        message["content"] = text
                     choice = {
                         "index": delta.index,
-                        "delta": {"content": delta.text} if delta.text else {},
-                        "finish_reason": _reason(delta.finish_reason),
+                        "delta": message,
+                        "finish_reason": reason,
                         "logprobs": logprobs.openai_chat(delta.logprobs, model.piece)
                         if want_logprobs and delta.logprobs
                         else None,
@@ -184,8 +232,7 @@ async def chat_completions(http: Request, state: State) -> Any:
         "choices": [
             {
                 "index": i,
-                "message": {"role": "assistant", "content": s.text},
-                "finish_reason": _reason(s.finish_reason),
+                **_chat_choice(s.text, _reason(s.finish_reason), plan),
                 "logprobs": logprobs.openai_chat(s.logprobs, model.piece)
                 if want_logprobs
                 else None,

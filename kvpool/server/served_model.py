@@ -86,11 +86,12 @@ class ServedModel:
         return self.loaded.tokenizer.encode(text)
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
     ) -> list[int]:
-        """The messages rendered by the model's chat template, as token ids."""
+        """The messages rendered by the model's chat template, as token ids (``extra``:
+        more template variables, such as ``tools``)."""
         return self.loaded.tokenizer.encode_chat(
-            messages, add_generation_prompt=add_generation_prompt
+            messages, add_generation_prompt=add_generation_prompt, **extra
         )
 
     def piece(self, token_id: int) -> str:
