@@ -109,7 +109,8 @@ CASES = [
     (OC, comp(presence_penalty=3), 400, "presence_penalty"),
     (OC, comp(logprobs=21), 400, "top_logprobs"),
     (OC, comp(top_k=-3), 400, "top_k"),
-    (OC, comp(echo=True), 400, "echo"),
+    (OC, comp(echo=True, max_tokens=-1), 400, "max_tokens"),
+    (OC, comp(suffix="x"), 400, "suffix"),
     (OC, b'{"model": "smollm2:135m", "prompt": "x", "frequency_penalty": NaN}', 400, ""),
     # OpenAI /v1/chat/completions
     (OCC, chat(messages=[]), 400, "messages"),

@@ -264,6 +264,7 @@ class KVCacheManager:
         reserve_tokens: int = 0,
         keep_free: int = 0,
         public_tokens: int = 0,
+        lookup: bool = True,
     ) -> Allocation:
         """Blocks for a new sequence's prompt: cached full blocks of its longest cached
         prefix, new blocks for the rest. Nothing is taken for future output unless
@@ -279,6 +280,9 @@ class KVCacheManager:
         without the salt, as if by no tenant (a prefix declared shared across tenants,
         e.g. a pinned system prompt); every later block carries the salt, and its key
         chains from the public blocks, so what follows the shared prefix stays private.
+
+        ``lookup=False``: no cached prefix is used (every token is computed: a prompt
+        scored position by position); the blocks still enter the index once computed.
         """
         if seq_id in self._seqs:
             raise SequenceExists(seq_id)
@@ -292,7 +296,7 @@ class KVCacheManager:
         keys: list[BlockHash] = []
         tiered: list[tuple[list[int], BlockHash, bytes, bytes, Payload | None]] = []
         max_blocks = (len(tokens) - 1) // bs
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and lookup:
             hits, keys = self._match_prefix(tokens, salt_b, max_blocks, public)
         num_new = self.blocks_needed(max(len(tokens), reserve_tokens)) - len(hits)
         available = self.pool.num_free - sum(1 for block in hits if block.ref_count == 0)
@@ -301,7 +305,7 @@ class KVCacheManager:
         # Blocks found in the tier take new blocks like computed ones, so they do not
         # change the count above; they are read (and verified) only once it has passed:
         # a request that waits for room is not read again at every step.
-        tiered = self._match_tier(tokens, salt_b, hits, keys, max_blocks, public)
+        tiered = self._match_tier(tokens, salt_b, hits, keys, max_blocks, public) if lookup else []
 
         for block in hits:
             self.pool.acquire(block)

@@ -32,7 +32,13 @@ from kvpool.engine.errors import (
 from kvpool.engine.kv_tier import apply_tier_events, open_tier
 from kvpool.engine.outputs import CompletionOutput, Completions, OutputProcessor, RequestOutput
 from kvpool.engine.request import PinOrder, Request, Status
-from kvpool.engine.sampling import Sampler, SamplingParams, TokenLogprobs, seed_bits
+from kvpool.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    TokenLogprobs,
+    seed_bits,
+    token_logprobs,
+)
 from kvpool.engine.scheduler import Scheduler, Work
 from kvpool.engine.snapshot import EngineSnapshot, TenantSnapshot
 from kvpool.engine.structured import GrammarCompiler
@@ -42,6 +48,30 @@ from kvpool.model.runner import ModelRunner, SeqChunk
 from kvpool.model.tokenizer import Tokenizer
 
 log = logging.getLogger("kvpool.engine")
+
+
+def _scores(work: Work) -> bool:
+    """Whether this chunk's logits give prompt logprobs (it predicts a prompt token)."""
+    return (
+        work.request.prompt_logprobs is not None and work.start < len(work.request.prompt_ids) - 1
+    )
+
+
+SCORE_ROWS = 64  # rows log-softmaxed at once (a [rows, vocab] float32 buffer)
+
+
+def _score_prompt(request: Request, start: int, logits: torch.Tensor) -> None:
+    """The logprobs of the prompt tokens a chunk's logits predict: row ``j`` (position
+    ``start + j``) gives token ``start + j + 1``'s, from the raw model (no penalties)."""
+    prompt, out = request.prompt_ids, request.prompt_logprobs
+    assert out is not None
+    k = request.params.prompt_logprobs or 0
+    last = min(len(logits), len(prompt) - 1 - start)  # rows that predict prompt tokens
+    for lo in range(0, last, SCORE_ROWS):
+        rows = torch.log_softmax(logits[lo : min(last, lo + SCORE_ROWS)].float(), dim=-1)
+        for j, row in enumerate(rows):
+            target = start + lo + j + 1
+            out[target] = token_logprobs(row, prompt[target], k)
 
 
 class _RowsFailed(Exception):
@@ -229,6 +259,8 @@ class Engine:
         if params.response_format is not None:
             assert self.grammars is not None  # (check_request)
             request.grammar = self.grammars.start(params.response_format)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(prompt)
         if salt is not None:
             request.public_tokens = max(
                 (len(p) for p in self._shared_prefixes if tuple(prompt[: len(p)]) == p),
@@ -365,14 +397,22 @@ class Engine:
             self._scheduler.pending_copies = []
         if not work:
             return rejected
-        logits, states, work, failed = self._forward_isolating(work)
+        logits, states, work, failed, scored = self._forward_isolating(work)
         progressed = list(rejected) + failed
         if not work:
             return progressed
         self._scheduler.after_forward(work)
+        for w, rows in scored:
+            try:
+                _score_prompt(w.request, w.start, rows)
+            except Exception as exc:  # this request's scoring alone
+                self._fail(w.request, exc)
+                progressed.append(w.request)
         rows: list[int] = []
         requests: list[Request] = []
         for i, w in enumerate(work):
+            if w.request.status is Status.FINISHED:  # (its prompt's scoring failed)
+                continue
             if w.sample and w.request.params.embedding:  # its prompt is done: no token
                 assert states is not None
                 vector = torch.nn.functional.normalize(states[i].float(), dim=0)
@@ -453,23 +493,38 @@ class Engine:
     # -- fault isolation ---------------------------------------------------------------
     def _forward_isolating(
         self, work: list[Work]
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[Work], list[Request]]:
+    ) -> tuple[
+        torch.Tensor | None,
+        torch.Tensor | None,
+        list[Work],
+        list[Request],
+        list[tuple[Work, torch.Tensor]],
+    ]:
         """The step's forward: logits of the work that computed (and its final hidden
-        states where an embedding request is in it), that work, and the requests that
-        failed (ended with ``error``). When the whole batch raises, each
+        states where an embedding request is in it), that work, the requests that
+        failed (ended with ``error``), and the logits of every token of the prompt chunks
+        whose requests score their prompt. When the whole batch raises, each
         half runs alone, recursively, until the failing requests are found: a cost of
         about ``2 log2(B)`` extra forwards per failing request, on the failure path only.
         Re-running writes the same K/V to the same slots, and no block enters the prefix
         index before ``after_forward``, so a failed attempt leaves nothing behind."""
         parts: list[tuple[list[Work], torch.Tensor, torch.Tensor | None]] = []
+        scored: list[tuple[Work, torch.Tensor]] = []
         failed: list[Request] = []
         hidden = any(w.request.params.embedding for w in work)
 
         def run(items: list[Work]) -> None:
             chunks = [self._chunk(w) for w in items]
+            score = [i for i, w in enumerate(items) if _scores(w)]
             try:
-                out = self._runner.forward(chunks, return_hidden=hidden)
-                logits, states = out if hidden else (out, None)
+                if score:
+                    logits, states, rows = self._runner.forward_scored(
+                        chunks, score, return_hidden=hidden
+                    )
+                    scored.extend(zip([items[i] for i in score], rows, strict=True))
+                else:
+                    out = self._runner.forward(chunks, return_hidden=hidden)
+                    logits, states = out if hidden else (out, None)
                 parts.append((items, logits, states))
                 return
             except Exception as exc:
@@ -482,13 +537,13 @@ class Engine:
 
         run(work)
         if not parts:
-            return None, None, [], failed
+            return None, None, [], failed, []
         items = [w for p in parts for w in p[0]]
         logits = parts[0][1] if len(parts) == 1 else torch.cat([p[1] for p in parts])
         states = None
         if hidden:
             states = torch.cat([p[2] for p in parts])  # type: ignore[misc]
-        return logits, states, items, failed
+        return logits, states, items, failed, scored
 
     def _sample_isolating(
         self, logits: torch.Tensor, requests: list[Request]

@@ -42,6 +42,9 @@ class RequestOutput:
     # one per token of token_ids, where the request asked for logprobs (else None)
     logprobs: list[TokenLogprobs] | None = None
     embedding: list[float] | None = None  # an embedding request's vector, on its last output
+    # params.prompt_logprobs: one per prompt token (None for the first), on the first
+    # output after the prompt is computed
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -63,6 +66,7 @@ class CompletionOutput:
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # per token, where asked for
     embedding: list[float] | None = None  # an embedding request's vector
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # where asked for
 
     @property
     def prompt_tokens(self) -> int:
@@ -122,6 +126,7 @@ class OutputProcessor:
             time=now,
             logprobs=request.logprobs[sent:] if request.params.logprobs is not None else None,
             embedding=request.embedding if finished else None,
+            prompt_logprobs=request.prompt_logprobs if sent == 0 and (output or finished) else None,
         )
 
     def forget(self, request: Request) -> None:
@@ -136,6 +141,7 @@ class _Sample:
     text: list[str] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     last: RequestOutput | None = None
 
 
@@ -156,6 +162,8 @@ class Completions:
             sample.tokens.extend(out.token_ids)
             if out.logprobs is not None:
                 sample.logprobs = (sample.logprobs or []) + out.logprobs
+            if out.prompt_logprobs is not None:
+                sample.prompt_logprobs = out.prompt_logprobs
             sample.last = out
 
     def finished(self, request_id: str, n: int) -> bool:
@@ -180,6 +188,7 @@ class Completions:
                     error=last.error if last else None,
                     logprobs=sample.logprobs,
                     embedding=last.embedding if last else None,
+                    prompt_logprobs=sample.prompt_logprobs,
                 )
             )
         return results

@@ -63,6 +63,8 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     embedding: list[float] | None = None  # params.embedding: set when the prompt is done
     grammar: GrammarState | None = None  # params.response_format: where the output is in it
+    # params.prompt_logprobs: one per prompt token (None for the first), filled as computed
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.tokens:

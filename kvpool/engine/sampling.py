@@ -75,6 +75,9 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # None: none; k: each token's and the k best tokens'
+    # The prompt's tokens' logprobs too (the raw model's: no penalties), k best each; the
+    # request then computes its whole prompt (no prefix-cache hits: see Engine).
+    prompt_logprobs: int | None = None
     # No generation: the request ends after its prompt with the last token's final-normed
     # hidden state, L2-normalized, as its embedding (RequestOutput.embedding).
     embedding: bool = False
@@ -102,6 +105,10 @@ class SamplingParams:
             (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 f"top_logprobs must be in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                f"prompt logprobs must be in [0, {MAX_LOGPROBS}]",
             ),
             (all(s for s in self.stop), "stop strings must not be empty"),
             (

@@ -114,6 +114,8 @@ class Scheduler:
                     reserve_tokens=request.reserve_tokens,
                     keep_free=keep_free,
                     public_tokens=request.public_tokens,
+                    # a prompt scored token by token computes every position
+                    lookup=request.prompt_logprobs is None,
                 )
             except OutOfBlocks:
                 if self.running:

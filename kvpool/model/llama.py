@@ -220,10 +220,12 @@ class LlamaModel:
         *,
         all_logits: bool = False,
         return_hidden: bool = False,
+        rows: torch.Tensor | None = None,
     ) -> Any:
         """Logits of each sequence's last new token ``[B, vocab]`` (or of every new token,
-        ``[T, vocab]``, with ``all_logits``); with ``return_hidden``, ``(logits, hidden)``,
-        ``hidden`` the final-normed hidden states of the same rows (embeddings)."""
+        ``[T, vocab]``, with ``all_logits``; or of the new tokens ``rows`` names); with
+        ``return_hidden``, ``(logits, hidden)``, ``hidden`` the final-normed hidden
+        states of the same rows (embeddings)."""
         nh = self.config.num_heads
         cos, sin_signed = self._rope(batch.positions)
         x = self.embed[batch.input_ids]
@@ -246,7 +248,9 @@ class LlamaModel:
                 x, h = self._add_norm(x, y, self.layers[i + 1].attn_norm)
             else:
                 x = x + y
-        if not all_logits:
+        if rows is not None:
+            x = x[rows]
+        elif not all_logits:
             x = x[batch.last_index]
         x = _rms_norm(x, self.final_norm, self.config.rms_norm_eps)
         logits = self._heavy(self.lm_head, x).float()

@@ -180,7 +180,28 @@ class ModelRunner:
     ) -> Any:
         """``LlamaModel.forward`` of the chunks: logits, or ``(logits, hidden)``."""
         batch = self.build_batch(chunks)
-        kw = {"all_logits": all_logits, "return_hidden": return_hidden}
+        return self._run(batch, all_logits=all_logits, return_hidden=return_hidden)
+
+    def forward_scored(
+        self, chunks: list[SeqChunk], scored: list[int], *, return_hidden: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+        """``forward``, and the logits of every token of the chunks ``scored`` names (a
+        prompt's log-probabilities): ``(logits, hidden or None, [each scored chunk's
+        [len, vocab]])``. Only those rows go through the output head."""
+        batch = self.build_batch(chunks)
+        last = batch.last_index
+        spans = [
+            torch.arange(int(last[i]) - len(chunks[i].token_ids) + 1, int(last[i]) + 1,
+                         device=last.device)
+            for i in scored
+        ]  # fmt: skip
+        out = self._run(batch, return_hidden=return_hidden, rows=torch.cat([last, *spans]))
+        logits, hidden = out if return_hidden else (out, None)
+        b = last.shape[0]
+        parts = list(logits[b:].split([len(s) for s in spans]))
+        return logits[:b], hidden[:b] if hidden is not None else None, parts
+
+    def _run(self, batch: Any, **kw: Any) -> Any:
         if self.threads is None:
             return self.model.forward(batch, self.kv, **kw)
         mode = self.threads.choose(batch.input_ids.shape[0], batch.decode_only)

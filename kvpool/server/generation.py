@@ -37,6 +37,7 @@ class Outcome:
     samples: list[Sample]
     prompt_tokens: int
     cached_prompt_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # where asked for (echo)
     created: float = field(default_factory=time.time)  # wall clock, for the APIs' stamps
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
@@ -104,6 +105,8 @@ class Generation:
                 if delta.logprobs:
                     sample.logprobs += delta.logprobs
                 out.cached_prompt_tokens = delta.cached_prompt_tokens
+                if delta.prompt_logprobs is not None:
+                    out.prompt_logprobs = delta.prompt_logprobs
                 if delta.token_ids and out.first_token is None:
                     out.first_token = delta.time
                     self._metrics.ttft.labels(self._tenant).observe(delta.time - out.arrival)

@@ -66,6 +66,32 @@ def openai_completion(
     }
 
 
+def openai_echo(
+    prompt_ids: Sequence[int],
+    scored: Sequence[TokenLogprobs | None],
+    piece: Piece,
+    completion: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """``choices[i].logprobs`` of an ``echo`` completion: the prompt's tokens first (the
+    first has no logprob: nothing predicts it), then ``completion``'s (None: none)."""
+    tokens, offsets, values, tops = [], [], [], []
+    offset = 0
+    for token, lp in zip(prompt_ids, scored, strict=True):
+        text = piece(token)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        values.append(lp.logprob if lp is not None else None)
+        tops.append({piece(t): v for t, v in lp.top} if lp is not None else None)
+    if completion:
+        tokens += completion["tokens"]
+        values += completion["token_logprobs"]
+        tops += completion["top_logprobs"]
+        offsets += [offset + o for o in completion["text_offset"]]
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}  # fmt: skip
+
+
 def ollama(items: Sequence[TokenLogprobs], piece: Piece) -> list[dict[str, Any]]:
     """Ollama's ``logprobs`` list (``/api/generate`` and ``/api/chat``)."""
     return [

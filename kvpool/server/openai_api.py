@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -121,11 +122,13 @@ def _text_content(message: ChatMessage) -> str:
     return "".join(parts)
 
 
-def _usage(out: Outcome) -> dict[str, Any]:
+def _usage(out: Outcome, scored_only: bool = False) -> dict[str, Any]:
+    """``usage``; ``scored_only``: an echo of the prompt alone (its one token dropped)."""
+    completion = 0 if scored_only else out.completion_tokens
     return {
         "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": out.completion_tokens,
-        "total_tokens": out.prompt_tokens + out.completion_tokens,
+        "completion_tokens": completion,
+        "total_tokens": out.prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": out.cached_prompt_tokens},
     }
 
@@ -248,8 +251,8 @@ async def completions(http: Request, state: State) -> Any:
     body = await read_json(http, CompletionBody)
     model = state.check_model(body.model)
     _check_common(body)
-    if body.echo or body.suffix:
-        raise bad_request("echo and suffix are not supported by kvpool")
+    if body.suffix:
+        raise bad_request("suffix is not supported by kvpool")
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
@@ -261,49 +264,68 @@ async def completions(http: Request, state: State) -> Any:
         ids = model.check_tokens(list(prompt), "prompt")
     if not ids:
         raise bad_request("the prompt is empty")
+    # echo with max_tokens 0 scores the prompt alone (lm-eval's loglikelihood requests):
+    # one token is generated and dropped.
+    score_only = body.echo and body.max_tokens == 0
+    if score_only:
+        body = body.model_copy(update={"max_tokens": 1})
     params = openai_params(body, len(ids), model.context_length, _completion_logprobs(body))
+    want_logprobs = params.logprobs is not None
+    if body.echo and want_logprobs:
+        params = replace(params, prompt_logprobs=params.logprobs)
     generation = await Generation.start(
         model, http, ids, params, tenant_of(http), state.metrics, "openai"
     )
-    want_logprobs = params.logprobs is not None
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": model.name}
+    echoed = (prompt if isinstance(prompt, str) else model.decode(ids)) if body.echo else ""
+
+    def echo_logprobs(completion: dict[str, Any] | None) -> dict[str, Any] | None:
+        scored = generation.outcome.prompt_logprobs or [None] * len(ids)
+        return logprobs.openai_echo(ids, scored, model.piece, completion)
 
     if body.stream:
 
         async def chunks() -> AsyncIterator[dict[str, Any]]:
-            offsets = [0] * params.n  # characters sent per sample, for text_offset
+            offsets = [len(echoed)] * params.n  # characters sent per sample (text_offset)
+            started = [False] * params.n
             async for delta in generation.deltas():
-                if delta.text or delta.finish_reason or (want_logprobs and delta.logprobs):
-                    lp = None
-                    if want_logprobs and delta.logprobs:
-                        lp = logprobs.openai_completion(
-                            delta.logprobs, model.piece, offsets[delta.index]
-                        )
-                        offsets[delta.index] += sum(len(t) for t in lp["tokens"])
-                    choice = {"index": delta.index, "text": delta.text, "logprobs": lp,
-                              "finish_reason": _reason(delta.finish_reason)}  # fmt: skip
+                i = delta.index
+                text, lp, reason = delta.text, None, _reason(delta.finish_reason)
+                if score_only:  # the prompt, once, then the end
+                    text, reason = "", "length" if delta.finish_reason else None
+                    if delta.finish_reason is None:
+                        continue
+                if want_logprobs and delta.logprobs and not score_only:
+                    lp = logprobs.openai_completion(delta.logprobs, model.piece, offsets[i])
+                    offsets[i] += sum(len(t) for t in lp["tokens"])
+                if body.echo and not started[i]:
+                    started[i] = True
+                    text = echoed + text
+                    if want_logprobs:
+                        rest = {k: [*v] for k, v in lp.items()} if lp else None
+                        if rest:
+                            rest["text_offset"] = [o - len(echoed) for o in rest["text_offset"]]
+                        lp = echo_logprobs(rest)
+                if text or reason or lp:
+                    choice = {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
                     yield {**head, "choices": [choice]}
             if body.stream_options and body.stream_options.include_usage:
-                yield {**head, "choices": [], "usage": _usage(generation.outcome)}
+                yield {**head, "choices": [], "usage": _usage(generation.outcome, score_only)}
 
         return _sse(chunks())
     out = await generation.run()
-    return {
-        **head,
-        "choices": [
-            {
-                "index": i,
-                "text": s.text,
-                "logprobs": logprobs.openai_completion(s.logprobs, model.piece)
-                if want_logprobs
-                else None,
-                "finish_reason": _reason(s.finish_reason),
-            }
-            for i, s in enumerate(out.samples)
-        ],
-        "usage": _usage(out),
-    }
+    choices = []
+    for i, s in enumerate(out.samples):
+        text = "" if score_only else s.text
+        lp = None
+        if want_logprobs:
+            lp = logprobs.openai_completion([] if score_only else s.logprobs, model.piece)
+            if body.echo:
+                lp = echo_logprobs(lp)
+        reason = "length" if score_only else _reason(s.finish_reason)
+        choices.append({"index": i, "text": echoed + text, "logprobs": lp, "finish_reason": reason})
+    return {**head, "choices": choices, "usage": _usage(out, score_only)}
 
 
 @router.get("/models")
