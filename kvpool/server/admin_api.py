@@ -147,7 +147,13 @@ async def pins(http: Request, state: State) -> Any:
 
 
 def _prefix_ids(body: PinBody, state: ServerState) -> list[int]:
-    model = state.check_model(body.model)
+    """The prefix's ids (pins live in the started model's pool)."""
+    model = state.model
+    if not body.model:
+        raise bad_request("model is required")
+    if not model.matches(body.model):
+        raise APIError(404, f"pins are kept for {model.name!r} (the started model), not "
+                            f"{body.model!r}", "not_found_error")  # fmt: skip
     given = [x for x in (body.system, body.prompt, body.tokens) if x is not None]
     if len(given) != 1:
         raise bad_request("give exactly one of system, prompt or tokens")

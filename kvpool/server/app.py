@@ -8,6 +8,9 @@ Request bodies over ``max_body_bytes`` get 413 before any route reads them.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -18,6 +21,7 @@ from kvpool.server.auth import ANONYMOUS, KeyRing
 from kvpool.server.errors import APIError
 from kvpool.server.limits import BodyLimit
 from kvpool.server.metrics import Metrics
+from kvpool.server.models import Leases, ModelRegistry
 from kvpool.server.served_model import ServedModel
 from kvpool.server.state import ServerState
 
@@ -43,11 +47,29 @@ def create_app(
     max_body_bytes: int = 8 * 2**20,
     tenant_pin_share: float = 0.25,
     max_queue: int | None = None,
+    models: ModelRegistry | None = None,
 ) -> Any:
-    """The ASGI application (FastAPI wrapped in the body-size limit)."""
-    app = FastAPI(title="kvpool", version=__version__, docs_url=None, redoc_url=None)
+    """The ASGI application (FastAPI wrapped in the body-size limit). ``models``: the
+    registry that loads other models on demand (default: ``model`` alone)."""
+    registry = models or ModelRegistry(model, None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        reaper = asyncio.create_task(registry.reap_forever())
+        try:
+            yield
+        finally:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+            await registry.close()
+
+    app = FastAPI(
+        title="kvpool", version=__version__, docs_url=None, redoc_url=None, lifespan=lifespan
+    )
     app.state.kv = ServerState(
         model=model,
+        models=registry,
         keys=keys or KeyRing({}),
         metrics=Metrics(lambda: model.snapshot),
         tenant_pin_share=tenant_pin_share,
@@ -59,4 +81,4 @@ def create_app(
     app.include_router(openai_api.router, dependencies=auth)
     app.include_router(admin_api.router, dependencies=auth)
     app.include_router(embed_api.router, dependencies=auth)
-    return BodyLimit(app, max_body_bytes)
+    return Leases(BodyLimit(app, max_body_bytes))

@@ -78,7 +78,7 @@ def _token_inputs(
 @router.post("/api/embed")
 async def ollama_embed(http: Request, state: State) -> Any:
     body = await read_json(http, OllamaEmbedBody)
-    model = state.check_model(body.model)
+    model = await state.resolve(http, body.model, body.keep_alive)
     start = time.monotonic()
     inputs = [body.input] if isinstance(body.input, str) else body.input
     ids = _token_inputs(model, inputs, body.truncate)
@@ -95,7 +95,7 @@ async def ollama_embed(http: Request, state: State) -> Any:
 @router.post("/api/embeddings")
 async def ollama_embeddings(http: Request, state: State) -> Any:
     body = await read_json(http, OllamaEmbeddingsBody)
-    model = state.check_model(body.model)
+    model = await state.resolve(http, body.model, body.keep_alive)
     ids = _token_inputs(model, [body.prompt], True)
     (vector,) = await model.embed(ids, salt=tenant_of(http).salt)
     return {"embedding": vector}
@@ -104,7 +104,7 @@ async def ollama_embeddings(http: Request, state: State) -> Any:
 @router.post("/v1/embeddings")
 async def openai_embeddings(http: Request, state: State) -> Any:
     body = await read_json(http, OpenAIEmbeddingsBody)
-    model = state.check_model(body.model)
+    model = await state.resolve(http, body.model)
     if body.encoding_format not in ("float", "base64"):
         raise bad_request("encoding_format must be float or base64")
     raw = body.input

@@ -57,6 +57,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "OLLAMA_MAX_QUEUE); default 512")  # fmt: skip
     p.add_argument("--tenant-pin-share", type=float, default=0.25, metavar="FRACTION",
                    help="share of the pin budget one non-admin tenant's pins may hold")  # fmt: skip
+    p.add_argument("--max-models", type=int, default=1, metavar="N",
+                   help="models loaded at once (as OLLAMA_MAX_LOADED_MODELS): the KV budget "
+                        "is split into N equal pools; a request naming another model loads "
+                        "it on demand (default 1: the started model only)")  # fmt: skip
+    p.add_argument("--keep-alive", default=None, metavar="DURATION",
+                   help="how long a model loaded on demand stays after its last request "
+                        "(e.g. 5m, 0, -1 for ever; default OLLAMA_KEEP_ALIVE, else 5m); "
+                        "the started model always stays")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no load progress, warnings only")
 
 
@@ -69,14 +77,24 @@ def serve(args: argparse.Namespace) -> int:
     from kvpool.model_store import ModelNotFound
     from kvpool.server.app import create_app
     from kvpool.server.auth import KeyRing
+    from kvpool.server.errors import APIError
+    from kvpool.server.models import ModelRegistry, keep_alive_seconds
     from kvpool.server.served_model import ServedModel
 
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
     host, port = host_and_port(args)
     try:
+        if args.max_models < 1:
+            raise ValueError("--max-models must be at least 1")
+        keep_alive = keep_alive_seconds(
+            args.keep_alive or os.environ.get("OLLAMA_KEEP_ALIVE") or "5m", 300.0
+        )
         keys = KeyRing.load(args.api_key, args.keys_file)
         config = engine_config.from_args(args, max_queue=args.max_queue)
+        # one KV budget, an equal pool for each model that may be loaded at once
+        config = config.replace(kv_cache_memory=config.kv_cache_memory // args.max_models)
+        pool_config = config  # (``config`` is uvicorn's below)
         loaded = load_model(
             args.model,
             dtype=args.dtype,
@@ -84,7 +102,7 @@ def serve(args: argparse.Namespace) -> int:
             batch_invariant=args.batch_invariant,
         )
         engine = Engine(loaded.model, config, tokenizer=loaded.tokenizer)
-    except (ModelNotFound, ValueError, OSError) as exc:
+    except (ModelNotFound, ValueError, OSError, APIError) as exc:
         print(f"kvpool: {exc}", file=sys.stderr)
         return 2
     if args.quiet:  # the compute choice is said even then: one line
@@ -97,8 +115,30 @@ def serve(args: argparse.Namespace) -> int:
         f"({n * engine.kv_bytes_per_block / 2**20:.0f} MiB, {engine.kv_cache_dtype}), policy "
         f"{config.policy}, prefix "
         f"caching {'on' if config.prefix_caching else 'off'}, API keys "
-        f"{'on' if keys.enabled else 'off'}",
+        f"{'on' if keys.enabled else 'off'}"
+        + (f"; up to {args.max_models} models, a pool each" if args.max_models > 1 else ""),
         file=sys.stderr,
+    )
+
+    def load_more(requested: str, kv_bytes: int) -> ServedModel:
+        """Another model, its own engine and pool (a worker thread runs this)."""
+        try:
+            more = load_model(requested, dtype=args.dtype, progress=False,
+                              batch_invariant=args.batch_invariant)  # fmt: skip
+        except ModelNotFound as exc:
+            raise LookupError(str(exc)) from None
+        engine = Engine(more.model, pool_config.replace(kv_cache_memory=kv_bytes),
+                        tokenizer=more.tokenizer)  # fmt: skip
+        driver = AsyncLLM(engine)
+        driver.start()
+        return ServedModel.open(requested, more, driver)
+
+    registry = ModelRegistry(
+        model,
+        load_more,
+        max_models=args.max_models,
+        kv_bytes=config.kv_cache_memory,
+        default_keep_alive=keep_alive,
     )
     app = create_app(
         model,
@@ -106,6 +146,7 @@ def serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         tenant_pin_share=args.tenant_pin_share,
         max_queue=args.max_queue,
+        models=registry,
     )
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

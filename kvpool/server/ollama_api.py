@@ -8,6 +8,7 @@ tokens of prompt and answer) on ``/api/generate``.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
@@ -23,7 +24,7 @@ from kvpool.server.formats import constrained, ollama_format
 from kvpool.server.generation import Generation, Outcome
 from kvpool.server.params import ollama_params
 from kvpool.server.served_model import ServedModel
-from kvpool.server.state import State, tenant_of
+from kvpool.server.state import ServerState, State, tenant_of
 
 router = APIRouter()
 OLLAMA_COMPAT_VERSION = "0.12.0"  # the Ollama API level these routes follow
@@ -84,6 +85,14 @@ def _unsupported(images: Any = None) -> None:
         raise bad_request("images are not supported: kvpool serves text models")
 
 
+def _load_or_unload(model: ServedModel, state: ServerState) -> str:
+    """A request with nothing to generate: ``unload`` when its keep_alive is 0 (the
+    model goes once this response is sent), else ``load``."""
+    if model is not state.model and model.keep_alive == 0:
+        return "unload"
+    return "load"
+
+
 def _message(m: Message) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_calls:
@@ -139,14 +148,14 @@ def _ndjson(
 @router.post("/api/generate")
 async def generate(http: Request, state: State) -> Any:
     body = await read_json(http, GenerateBody)
-    model = state.check_model(body.model)
+    model = await state.resolve(http, body.model, body.keep_alive)
     _unsupported(body.images)
     if body.suffix:
         raise bad_request("suffix (fill-in-the-middle) is not supported by kvpool")
     if not body.prompt and not body.context:
-        # Ollama's way to load a model: nothing to generate.
+        # Ollama's way to load a model (or, with keep_alive 0, to unload it)
         return {"model": model.name, "created_at": _now(), "response": "", "done": True,
-                "done_reason": "load"}  # fmt: skip
+                "done_reason": _load_or_unload(model, state)}  # fmt: skip
     if body.raw:
         ids = model.encode(body.prompt)
     else:
@@ -184,12 +193,12 @@ async def generate(http: Request, state: State) -> Any:
 @router.post("/api/chat")
 async def chat(http: Request, state: State) -> Any:
     body = await read_json(http, ChatBody)
-    model = state.check_model(body.model)
+    model = await state.resolve(http, body.model, body.keep_alive)
     _unsupported(any(m.images for m in body.messages))
     if not body.messages:
         return {"model": model.name, "created_at": _now(),
                 "message": {"role": "assistant", "content": ""}, "done": True,
-                "done_reason": "load"}  # fmt: skip
+                "done_reason": _load_or_unload(model, state)}  # fmt: skip
     ids, plan = tools.prepare(model, [_message(m) for m in body.messages], body.tools, None)
     asked = logprobs.requested(body.logprobs, body.top_logprobs, "/api/chat")
     params = ollama_params(body.options, len(ids), model.context_length, asked)
@@ -226,13 +235,13 @@ async def chat(http: Request, state: State) -> Any:
 
 @router.get("/api/tags")
 async def tags(state: State) -> Any:
-    return {"models": [state.model.listing()]}
+    return {"models": [m.listing() for m in state.models.loaded()]}
 
 
 @router.post("/api/show")
 async def show(http: Request, state: State) -> Any:
     body = await read_json(http, ShowBody)
-    model = state.check_model(body.model or body.name)
+    model = await state.resolve(http, body.model or body.name)
     params = "\n".join(f"{k} {v}" for k, v in (("temperature", 0.8), ("top_k", 40), ("top_p", 0.9)))
     return {
         "license": str(model.info.get("general.license", "")),
@@ -248,21 +257,31 @@ async def show(http: Request, state: State) -> Any:
 
 @router.get("/api/ps")
 async def ps(state: State) -> Any:
-    model = state.model
-    stats = model.snapshot.cache
-    on_gpu = model.on_gpu
-    size = model.size + stats.total_bytes
-    return {
-        "models": [
-            {
-                **model.listing(),
-                "expires_at": (datetime.now(UTC) + timedelta(days=3650)).isoformat(),
-                "size": size,
-                "size_vram": size if on_gpu else 0,
-                "context_length": model.context_length,
-            }
-        ]
-    }
+    """The loaded models: size (file + KV pool), when each expires (far ahead for the
+    started model and ``keep_alive`` -1), and kvpool's own ``kv_cache`` use."""
+    entries = []
+    for model in state.models.loaded():
+        llm = model.llm
+        if llm is None:  # released a moment ago (unloading)
+            continue
+        stats = llm.snapshot.cache
+        size = model.size + stats.total_bytes
+        expires = model.expires_at if model is not state.model else math.inf
+        when = (
+            datetime.now(UTC) + timedelta(days=3650)
+            if math.isinf(expires)
+            else datetime.fromtimestamp(expires, UTC)
+        )
+        entries.append({
+            **model.listing(),
+            "expires_at": when.isoformat(),
+            "size": size,
+            "size_vram": size if model.on_gpu else 0,
+            "context_length": model.context_length,
+            "kv_cache": {"total_blocks": stats.total_blocks, "used_blocks": stats.used_blocks,
+                         "cached_blocks": stats.cached_blocks, "bytes": stats.total_bytes},
+        })  # fmt: skip
+    return {"models": entries}
 
 
 @router.get("/api/version")

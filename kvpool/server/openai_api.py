@@ -20,7 +20,8 @@ from kvpool.server.errors import APIError, bad_request, read_json, stream_error
 from kvpool.server.formats import constrained, openai_response_format
 from kvpool.server.generation import Generation, Outcome
 from kvpool.server.params import openai_params
-from kvpool.server.state import ServerState, State, tenant_of
+from kvpool.server.served_model import ServedModel
+from kvpool.server.state import State, tenant_of
 
 router = APIRouter(prefix="/v1")
 
@@ -172,7 +173,7 @@ def _completion_logprobs(body: CompletionBody) -> int | None:
 @router.post("/chat/completions")
 async def chat_completions(http: Request, state: State) -> Any:
     body = await read_json(http, ChatBody)
-    model = state.check_model(body.model)
+    model = await state.resolve(http, body.model)
     _check_common(body)
     fmt = openai_response_format(body.response_format)
     if not body.messages:
@@ -249,7 +250,7 @@ async def chat_completions(http: Request, state: State) -> Any:
 @router.post("/completions")
 async def completions(http: Request, state: State) -> Any:
     body = await read_json(http, CompletionBody)
-    model = state.check_model(body.model)
+    model = await state.resolve(http, body.model)
     _check_common(body)
     if body.suffix:
         raise bad_request("suffix is not supported by kvpool")
@@ -330,19 +331,20 @@ async def completions(http: Request, state: State) -> Any:
 
 @router.get("/models")
 async def models(state: State) -> Any:
-    return {"object": "list", "data": [_model_entry(state)]}
+    return {"object": "list", "data": [_model_entry(m) for m in state.models.loaded()]}
 
 
 @router.get("/models/{name:path}")
 async def model(name: str, state: State) -> Any:
-    if not state.model.matches(name):
+    found = next((m for m in state.models.loaded() if m.matches(name)), None)
+    if found is None:
         raise APIError(404, f"model {name!r} not found", "not_found_error")
-    return _model_entry(state)
+    return _model_entry(found)
 
 
-def _model_entry(state: ServerState) -> dict[str, Any]:
-    created = int(state.model.modified_at.timestamp())
-    return {"id": state.model.name, "object": "model", "created": created, "owned_by": "kvpool"}
+def _model_entry(model: ServedModel) -> dict[str, Any]:
+    created = int(model.modified_at.timestamp())
+    return {"id": model.name, "object": "model", "created": created, "owned_by": "kvpool"}
 
 
 def _reason(reason: str | None) -> str | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -48,6 +49,13 @@ class ServedModel:
     modified_at: datetime
     info: dict[str, Any] = field(default_factory=dict)  # GGUF metadata, for /api/show
     started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    # Its life in the server (kvpool.server.models): requests holding it now, seconds
+    # to stay after the last one, when it may be unloaded (time.time()), last use.
+    active: int = 0
+    keep_alive: float = math.inf
+    expires_at: float = math.inf
+    last_used: float = 0.0
+    unloading: bool = False
 
     @classmethod
     def open(cls, requested: str | None, loaded: LoadedModel, llm: AsyncLLM) -> ServedModel:
@@ -77,6 +85,11 @@ class ServedModel:
             modified_at=datetime.fromtimestamp(stat.st_mtime, UTC),
             info=info,
         )
+
+    def release(self) -> None:
+        """Drop the references to the engine and the weights (the model is unloaded)."""
+        self.llm = None  # type: ignore[assignment]
+        self.loaded = None  # type: ignore[assignment]
 
     def matches(self, requested: str) -> bool:
         return requested.lower() in self.aliases or _with_tag(requested.lower()) in self.aliases

@@ -4,19 +4,20 @@ Stored on ``app.state.kv``; routes reach it through the ``State`` dependency."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
 from kvpool.server.auth import KeyRing, Tenant
-from kvpool.server.errors import APIError
 from kvpool.server.metrics import Metrics
+from kvpool.server.models import ModelRegistry
 from kvpool.server.served_model import ServedModel
 
 
 @dataclass
 class ServerState:
-    model: ServedModel
+    model: ServedModel  # the model the server was started with (always loaded)
+    models: ModelRegistry  # it and the ones loaded on demand
     keys: KeyRing
     metrics: Metrics
     tenant_pin_share: float = 0.25  # of the pin budget, for each non-admin tenant's pins
@@ -26,16 +27,18 @@ class ServerState:
         """The blocks one non-admin tenant's pins may hold together."""
         return int(max_pinned_blocks * self.tenant_pin_share)
 
-    def check_model(self, requested: str | None) -> ServedModel:
-        if not requested:
-            raise APIError(400, "model is required")
-        if not self.model.matches(requested):
-            raise APIError(
-                404,
-                f"model {requested!r} not found; this server serves {self.model.name!r}",
-                "not_found_error",
-            )
-        return self.model
+    async def resolve(
+        self, http: Request, requested: str | None, keep_alive: Any = None
+    ) -> ServedModel:
+        """The model a request names (loaded on demand), held until its response has
+        been sent (``models.Leases``): it is not unloaded under a request."""
+        model = await self.models.resolve(requested, keep_alive)
+        model.active += 1
+        leases = getattr(http.state, "leases", None)
+        if leases is None:
+            leases = http.state.leases = []
+        leases.append(model)
+        return model
 
 
 def server_state(request: Request) -> ServerState:
