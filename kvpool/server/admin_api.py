@@ -152,8 +152,11 @@ def _prefix_ids(body: PinBody, state: ServerState) -> list[int]:
     if not body.model:
         raise bad_request("model is required")
     if not model.matches(body.model):
-        raise APIError(404, f"pins are kept for {model.name!r} (the started model), not "
-                            f"{body.model!r}", "not_found_error")  # fmt: skip
+        raise APIError(
+            404,
+            f"model {body.model!r} not found (pins are kept for {model.name!r}, the started model)",
+            "not_found_error",
+        )
     given = [x for x in (body.system, body.prompt, body.tokens) if x is not None]
     if len(given) != 1:
         raise bad_request("give exactly one of system, prompt or tokens")
