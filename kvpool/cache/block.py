@@ -38,6 +38,7 @@ class Block:
         "content_id",
         "parent_content_id",
         "salt",
+        "parent_hash",
         "digest",
         "indexed",
         "next_same_hash",
@@ -54,6 +55,7 @@ class Block:
         self.content_id = -1
         self.parent_content_id = -1
         self.salt = b""
+        self.parent_hash: BlockHash | None = None  # the previous block's key (KV events)
         self.digest: bytes | None = None  # the prefix digest, where a second tier is kept
         self.indexed = False
         self.next_same_hash: Block | None = None  # collision chain inside the prefix index
@@ -67,6 +69,7 @@ class Block:
         self.content_id = -1
         self.parent_content_id = -1
         self.salt = b""
+        self.parent_hash = None
         self.digest = None
 
     def __repr__(self) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvpool.cache.block import Block, FreeBlockQueue
+from kvpool.cache.events import BlockPinned, BlockUnpinned
 from kvpool.cache.hashing import BlockHash
 from kvpool.cache.prefix_index import PrefixIndex
 
@@ -128,12 +129,18 @@ class BlockPool:
         self.filled_slots_used += len(token_ids)
 
     def cache_full_block(
-        self, block: Block, key: BlockHash, parent_content_id: int, salt: bytes
+        self,
+        block: Block,
+        key: BlockHash,
+        parent_content_id: int,
+        salt: bytes,
+        parent_key: BlockHash | None = None,
     ) -> None:
         """Give a full, computed block its key and content id and index it, unless the
         same content is indexed already (then it shares that content id)."""
         assert len(block.token_ids) == self.block_size and block.block_hash is None
         block.block_hash = key
+        block.parent_hash = parent_key
         block.parent_content_id = parent_content_id
         block.salt = salt
         existing = self.index.find(key, parent_content_id, salt, block.token_ids)
@@ -153,6 +160,8 @@ class BlockPool:
         self.acquire(block)
         if block.pin_count == 0:
             self.num_pinned += 1
+            if self.index.events is not None and block.block_hash is not None:
+                self.index.events.append(BlockPinned(block.block_hash))
         block.pin_count += 1
 
     def unpin(self, block: Block) -> None:
@@ -160,6 +169,8 @@ class BlockPool:
         block.pin_count -= 1
         if block.pin_count == 0:
             self.num_pinned -= 1
+            if self.index.events is not None and block.block_hash is not None:
+                self.index.events.append(BlockUnpinned(block.block_hash))
         self.release(block)
 
     def reset_prefix_cache(self) -> int:

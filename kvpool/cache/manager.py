@@ -35,6 +35,7 @@ from kvpool.cache.errors import (
     SequenceExists,
     UnknownSequence,
 )
+from kvpool.cache.events import KVEvent
 from kvpool.cache.geometry import ModelGeometry
 from kvpool.cache.hashing import BlockHash, HashFn, Salt, hash_block, salt_bytes
 from kvpool.cache.stats import CacheStats
@@ -321,7 +322,8 @@ class KVCacheManager:
             new_blocks, tiered, strict=False
         ):
             parent_cid = parent.content_id if parent is not None else -1
-            self.pool.cache_full_block(block, key, parent_cid, block_salt)
+            parent_key = parent.block_hash if parent is not None else None
+            self.pool.cache_full_block(block, key, parent_cid, block_salt, parent_key)
             block.digest = digest
             assert payload is not None
             self._tier_events.append(
@@ -424,6 +426,24 @@ class KVCacheManager:
             raise UnknownSequence(seq_id)
         for block in reversed(seq.blocks):
             self.pool.release(block)
+
+    # -- KV events (kvpool.cache.events) --------------------------------------------------
+    def enable_kv_events(self) -> None:
+        """Start recording what the prefix index gains and loses (for a router)."""
+        if self.pool.index.events is None:
+            self.pool.index.events = []
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The events since the last call, in order (empty when not enabled)."""
+        events = self.pool.index.events
+        if not events:
+            return []
+        self.pool.index.events = []
+        return events
+
+    def cached_block_hashes(self) -> set[int]:
+        """The keys of every findable block: what a router's copy must equal."""
+        return {b.block_hash for b in self.pool.blocks if b.indexed and b.block_hash is not None}
 
     # -- pins ----------------------------------------------------------------------------
     def pin(
@@ -565,7 +585,7 @@ class KVCacheManager:
             else:
                 key = self._hash(parent_key, seq.salt_of(i), block.token_ids)
             parent_cid = parent.content_id if parent is not None else -1
-            self.pool.cache_full_block(block, key, parent_cid, seq.salt_of(i))
+            self.pool.cache_full_block(block, key, parent_cid, seq.salt_of(i), parent_key)
             if self.tier is not None:
                 parent_digest = parent.digest if parent is not None else ROOT_DIGEST
                 if parent_digest is not None:

@@ -19,16 +19,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvpool.cache.block import Block
+from kvpool.cache.events import BlockRemoved, BlockStored, KVEvent, salt_hash
 from kvpool.cache.hashing import BlockHash
 
 
 class PrefixIndex:
-    __slots__ = ("_by_hash", "_next_content_id", "length")
+    __slots__ = ("_by_hash", "_next_content_id", "events", "length")
 
     def __init__(self) -> None:
         self._by_hash: dict[BlockHash, Block] = {}
         self._next_content_id = 0
         self.length = 0
+        # KV events (kvpool.cache.events), where a manager publishes them: every insert
+        # and remove, in order.
+        self.events: list[KVEvent] | None = None
 
     def __len__(self) -> int:
         return self.length
@@ -60,6 +64,10 @@ class PrefixIndex:
         self._by_hash[block.block_hash] = block
         block.indexed = True
         self.length += 1
+        if self.events is not None:
+            self.events.append(BlockStored(
+                block.block_hash, block.parent_hash, salt_hash(block.salt), len(block.token_ids)
+            ))  # fmt: skip
 
     def remove(self, block: Block) -> None:
         assert block.indexed and block.block_hash is not None
@@ -78,4 +86,6 @@ class PrefixIndex:
             node.next_same_hash = block.next_same_hash
         block.next_same_hash = None
         block.indexed = False
+        if self.events is not None:
+            self.events.append(BlockRemoved(key))
         self.length -= 1
