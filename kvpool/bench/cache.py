@@ -85,6 +85,44 @@ def run(block_sizes: tuple[int, ...] = (16, 64, 256)) -> list[CacheBenchRow]:
         return [bench_block_size(bs, progress) for bs in block_sizes]
 
 
+def events_cost(
+    block_size: int = 16, batch: int = 32, steps: int = 256
+) -> tuple[float, float, float]:
+    """The manager's time per decode step at ``batch`` sequences (each appends a token
+    and marks it computed; full blocks are cached, a small pool evicts), with KV events
+    off and on (their batch taken every step, as a replica publishes): ``(us off, us on,
+    events per step)``."""
+
+    def one(enabled: bool) -> tuple[float, float]:
+        prompt = 512
+        # room for one round (prompt and its share of the steps): later rounds evict
+        m = KVCacheManager(batch * (prompt + steps // 4) // block_size + batch * 2, block_size)
+        if enabled:
+            m.enable_kv_events()
+        events = 0
+        total = 0.0
+        for round_no in range(4):  # each round new prompts: earlier blocks get evicted
+            seqs = range(round_no * batch, (round_no + 1) * batch)
+            for seq in seqs:
+                m.allocate(seq, [seq] * prompt, computed=False)
+                m.mark_computed(seq, prompt)
+            m.take_kv_events()
+            start = time.perf_counter()
+            for step in range(steps // 4):
+                for seq in seqs:
+                    m.append(seq, [step])
+                    m.mark_computed(seq, m.num_tokens(seq))
+                events += len(m.take_kv_events())
+            total += time.perf_counter() - start
+            for seq in seqs:
+                m.free(seq)
+        return total / steps * 1e6, events / steps
+
+    off, _ = one(False)
+    on, per_step = one(True)
+    return off, on, per_step
+
+
 def format_table(rows: list[CacheBenchRow]) -> str:
     head = (
         f"block manager cost, {PROMPT_TOKENS}-token prompts, microseconds per operation "
