@@ -13,28 +13,12 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
+from kvpool.bench.grammar import SCHEMAS as BENCH_SCHEMAS  # noqa: E402
 from kvpool.engine.engine import Engine  # noqa: E402
 from kvpool.engine.sampling import InvalidSamplingParams, SamplingParams  # noqa: E402
 from kvpool.engine.structured import GrammarCompiler, ResponseFormat  # noqa: E402
 
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string"},
-        "age": {"type": "integer", "minimum": 0, "maximum": 150},
-        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
-        "address": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string"},
-                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
-            },
-            "required": ["city", "zip"],
-        },
-    },
-    "required": ["name", "age", "tags", "address"],
-    "additionalProperties": False,
-}
+PERSON = BENCH_SCHEMAS["person"]  # the schema `kvpool bench grammar` measures
 SCHEMAS = [
     PERSON,
     {

@@ -96,16 +96,7 @@ def _load_or_unload(model: ServedModel, state: ServerState) -> str:
 def _message(m: Message) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_calls:
-        calls = []
-        for call in m.tool_calls:
-            fn = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise bad_request("tool_calls entries need function.name")
-            args = fn.get("arguments") or {}
-            if not isinstance(args, dict):
-                raise bad_request("tool_calls function.arguments must be an object")
-            calls.append({"name": fn["name"], "arguments": args})
-        out["tool_calls"] = calls
+        out["tool_calls"] = tools.message_calls(m.tool_calls)
     return out
 
 

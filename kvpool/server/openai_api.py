@@ -84,18 +84,7 @@ def _message(m: ChatMessage) -> dict[str, Any]:
         "content": _text_content(m),
     }
     if m.tool_calls:
-        calls = []
-        for call in m.tool_calls:
-            fn = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise bad_request("tool_calls entries need function.name")
-            args = fn.get("arguments", "{}")
-            try:
-                args = json.loads(args) if isinstance(args, str) else args
-            except ValueError:
-                raise bad_request("tool_calls function.arguments must be JSON") from None
-            calls.append({"name": fn["name"], "arguments": args})
-        out["tool_calls"] = calls
+        out["tool_calls"] = tools.message_calls(m.tool_calls)
     return out
 
 

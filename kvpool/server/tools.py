@@ -80,6 +80,26 @@ def check_tools(raw: Any) -> list[dict[str, Any]]:
     return tools
 
 
+def message_calls(raw: list[Any]) -> list[dict[str, Any]]:
+    """A conversation turn's earlier calls, from either API's shape (OpenAI's arguments
+    are a JSON string, Ollama's an object), as ``[{"name", "arguments": dict}]``."""
+    calls = []
+    for call in raw:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request("tool_calls entries need function.name")
+        args = fn.get("arguments") or {}
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise bad_request("tool_calls function.arguments must be JSON") from None
+        if not isinstance(args, dict):
+            raise bad_request("tool_calls function.arguments must be an object")
+        calls.append({"name": fn["name"], "arguments": args})
+    return calls
+
+
 def tool_format(template: str) -> str:
     return LLAMA3 if _PYTHON_TAG in template else HERMES
 
