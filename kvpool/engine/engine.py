@@ -74,10 +74,6 @@ def _score_prompt(request: Request, start: int, logits: torch.Tensor) -> None:
             out[target] = token_logprobs(row, prompt[target], k)
 
 
-class _RowsFailed(Exception):
-    """Some rows' grammars failed before the draw: draw the others one by one."""
-
-
 # A pin request computes its prefix and one token, whatever the model says.
 PIN_PARAMS = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
@@ -567,15 +563,15 @@ class Engine:
                 except Exception as exc:
                     self._fail(request, exc)
                     broken.add(i)
-        tokens: list[int | None]
-        logprobs: list[TokenLogprobs | None]
-        try:
-            if broken:
-                raise _RowsFailed
-            sampled, lps = self._sampler.sample_logprobs(logits, *args, allowed)
-            tokens, logprobs = list(sampled), list(lps)
-        except Exception:
-            tokens, logprobs = [], []
+        tokens: list[int | None] = []
+        logprobs: list[TokenLogprobs | None] = []
+        if not broken:  # the common case: one batched draw
+            try:
+                sampled, lps = self._sampler.sample_logprobs(logits, *args, allowed)
+                tokens, logprobs = list(sampled), list(lps)
+            except Exception:
+                pass
+        if not tokens:  # a row's grammar failed, or the batched draw raised: row by row
             for i, request in enumerate(requests):
                 if i in broken:
                     tokens.append(None)

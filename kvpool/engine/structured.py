@@ -58,16 +58,16 @@ _STRUCTURAL_FIRST = tuple(s.encode() for s in ("}", "]", '"', "0", "null", "fals
 
 @dataclass(frozen=True)
 class ResponseFormat:
-    """What a constrained request's output must be. ``kind``: ``json`` (any JSON object),
-    ``json_schema`` (``text`` is the schema as JSON) or ``lark`` (``text`` is a Lark
-    grammar in llguidance's dialect)."""
+    """What a constrained request's output must be. ``kind``: ``json_schema`` (``text``
+    is the schema as JSON; any JSON object is ``{"type": "object"}``) or ``lark``
+    (``text`` is a Lark grammar in llguidance's dialect)."""
 
     kind: str
     text: str = ""
 
     @classmethod
     def json_object(cls) -> ResponseFormat:
-        return cls("json")
+        return cls("json_schema", '{"type": "object"}')
 
     @classmethod
     def json_schema(cls, schema: Any) -> ResponseFormat:
@@ -200,11 +200,7 @@ class _Compiled:
 
     def __init__(self, vocab: _Vocab, fmt: ResponseFormat) -> None:
         llg = vocab.llg
-        if fmt.kind == "json":
-            grammar = llg.LLMatcher.grammar_from_json_schema(
-                {"type": "object"}, defaults={"whitespace_flexible": False}
-            )
-        elif fmt.kind == "json_schema":
+        if fmt.kind == "json_schema":
             try:
                 grammar = llg.LLMatcher.grammar_from_json_schema(
                     fmt.text, defaults={"whitespace_flexible": False}

@@ -255,9 +255,8 @@ class CallStream:
         self.text += delta
         if self.fmt == LLAMA3:
             head = self.text.lstrip()
-            if not head or head.startswith("{") or _PYTHON_TAG.startswith(head[:14]):
-                return ""
-            if head.startswith(_PYTHON_TAG):
+            # (a head that the tag starts with, or that starts with the tag, is held)
+            if not head or head.startswith("{") or _PYTHON_TAG.startswith(head[: len(_PYTHON_TAG)]):
                 return ""
             safe = len(self.text)
         else:
