@@ -234,7 +234,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(serve)
     serve.set_defaults(func=_serve)
+
+    cluster = sub.add_parser(
+        "cluster",
+        help="serve replicas of a model on Ray Serve behind one ingress, each request routed "
+        "to the replica that caches its prefix (pip install 'kvpool[cluster]')",
+    )
+    from kvpool.cluster.app import add_arguments as cluster_arguments
+
+    cluster_arguments(cluster)
+    cluster.set_defaults(func=_cluster)
     return parser
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError:
+        print("kvpool: the cluster needs Ray Serve: pip install 'kvpool[cluster]'", file=sys.stderr)
+        return 2
+    from kvpool.cluster.app import run
+
+    return run(args)
 
 
 def _runtime_options(p: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -14,14 +15,24 @@ import time
 import httpx
 
 
+def free_port() -> int:
+    """A port free now (for servers that cannot be given port 0: Ray Serve's proxy)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 class LocalServer:
-    def __init__(self, *args: str, timeout: float = 180) -> None:
+    """``command``: ``serve``, or ``cluster`` (``kvpool cluster``: Ray Serve replicas)."""
+
+    def __init__(self, *args: str, timeout: float = 180, command: str = "serve") -> None:
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("KVPOOL_HOST", None)
-        command = [sys.executable, "-m", "kvpool.cli", "serve", "--host", "127.0.0.1"]
+        port = "0" if command == "serve" else str(free_port())
+        argv = [sys.executable, "-m", "kvpool.cli", command, "--host", "127.0.0.1"]
         self.proc = subprocess.Popen(
-            [*command, "--port", "0", "--quiet", *args],
+            [*argv, "--port", port, "--quiet", *args],
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,
@@ -33,13 +44,13 @@ class LocalServer:
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if not line:  # the process ended before listening
-                raise RuntimeError(f"kvpool serve exited: {self.logs()}")
+                raise RuntimeError(f"kvpool {command} exited: {self.logs()}")
             if line.startswith("kvpool: serving "):
                 self.url = line.rsplit(" on ", 1)[1].strip()
                 break
         if not self.url:
             self.stop()
-            raise RuntimeError(f"kvpool serve did not start: {self.logs()}")
+            raise RuntimeError(f"kvpool {command} did not start: {self.logs()}")
 
     def logs(self) -> str:
         self.log.seek(0)

@@ -69,8 +69,9 @@ def _rates(run) -> dict[str, float]:
 
 def kv_tokens() -> int:
     """KV slots both kvpool and llama.cpp get: the largest batch's prompts and outputs,
-    with room to spare (llama.cpp splits its context evenly between its slots)."""
-    return max(BATCHES) * 128
+    with room to spare (llama.cpp splits its context evenly between its slots), and never
+    fewer than the prefill's prompt (``--batches 1`` alone)."""
+    return max(max(BATCHES) * 128, PREFILL + 128)
 
 
 def _ours(dtype: str | None, model: str | None) -> dict[str, float]:

@@ -17,10 +17,22 @@ verifies every block token by token before it reuses one.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 from kvpool.cache.events import BlockPinned, BlockRemoved, BlockStored, BlockUnpinned, KVEvent
 from kvpool.cache.hashing import BlockHash, hash_block, salt_bytes
+
+
+def prefix_keys(token_ids: Sequence[int], block_size: int, salt: str | bytes | None) -> list[int]:
+    """The chain hashes of a prompt's full blocks that a replica could reuse: all but the
+    block holding the last token, as the block manager's own lookup."""
+    salt_b = salt_bytes(salt)
+    keys: list[int] = []
+    parent: BlockHash | None = None
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = hash_block(parent, salt_b, token_ids[i * block_size : (i + 1) * block_size])
+        keys.append(parent)
+    return keys
 
 
 class ClusterIndex:
@@ -80,16 +92,11 @@ class ClusterIndex:
         return set(self._pinned.get(replica, {}))
 
     def prefix_keys(self, token_ids: Sequence[int], salt: str | bytes | None = None) -> list[int]:
-        """The chain hashes of the prompt's full blocks that a replica could reuse (all
-        but the block holding the last token, as the block manager's lookup)."""
-        salt_b = salt_bytes(salt)
-        bs = self.block_size
-        keys: list[int] = []
-        parent: BlockHash | None = None
-        for i in range((len(token_ids) - 1) // bs):
-            parent = hash_block(parent, salt_b, token_ids[i * bs : (i + 1) * bs])
-            keys.append(parent)
-        return keys
+        return prefix_keys(token_ids, self.block_size, salt)
+
+    def held_by(self, replica: Hashable) -> Mapping[int, int]:
+        """The keys a replica holds (a live view: key -> copies)."""
+        return self._held.get(replica, {})
 
     def match(
         self, token_ids: Sequence[int], salt: str | bytes | None = None

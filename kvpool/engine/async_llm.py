@@ -110,6 +110,7 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._loop, name="kvpool-engine", daemon=True)
         self._stopped = threading.Event()
         self.snapshot: EngineSnapshot = engine.snapshot()
+        self._kv_sink: Callable[[list[Any]], None] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
@@ -129,6 +130,13 @@ class AsyncLLM:
         self._drain_stopped()
         if not self._thread.is_alive():
             self.engine.close()  # the tier's last writes
+
+    def publish_kv_events(self, sink: Callable[[list[Any]], None]) -> None:
+        """Turn the engine's KV events on and call ``sink(events)`` on the engine thread
+        after every step or command that produced some, in order (call before
+        ``start``; ``sink`` must not block: it hands the batch on)."""
+        self.engine.enable_kv_events()
+        self._kv_sink = sink
 
     # -- requests ------------------------------------------------------------------------
     async def submit(
@@ -220,6 +228,11 @@ class AsyncLLM:
             raise RequestError("structured output needs the model's tokenizer")
         await asyncio.to_thread(grammars.check, fmt, budget)
 
+    async def cached_block_hashes(self) -> set[int]:
+        """The chain hashes of every block a prefix lookup can find, taken between steps
+        (KV events up to that moment have been handed to the sink)."""
+        return await self._call(self.engine.cached_block_hashes)
+
     async def stats(self) -> EngineSnapshot:
         """A fresh snapshot, taken on the engine thread between steps."""
         return await self._call(self.engine.snapshot)
@@ -309,6 +322,10 @@ class AsyncLLM:
                     outputs = []
                 self._route_outputs(outputs)
             self.snapshot = engine.snapshot()
+            if self._kv_sink is not None:
+                events = engine.take_kv_events()
+                if events:
+                    self._kv_sink(events)
 
     @staticmethod
     def _run_command(command: Any) -> None:

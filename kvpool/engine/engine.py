@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 
 from kvpool.cache import CacheError, CacheStats, KVCacheManager, PinInfo, Policy
+from kvpool.cache.events import KVEvent
 from kvpool.cache.tier import TierStats
 from kvpool.engine.config import DEFAULTS, EngineConfig
 from kvpool.engine.errors import (
@@ -190,6 +191,19 @@ class Engine:
         stats.hit_tokens = self._manager.tier_hit_tokens
         stats.hit_blocks = stats.hit_tokens // self.block_size
         return stats
+
+    def enable_kv_events(self) -> None:
+        """Record what the prefix cache gains and loses (``kvpool.cache.events``), for a
+        router that keeps a copy of it (``take_kv_events`` hands them over)."""
+        self._manager.enable_kv_events()
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV events since the last call, in order (empty unless enabled)."""
+        return self._manager.take_kv_events()
+
+    def cached_block_hashes(self) -> set[int]:
+        """The chain hashes of every block a prefix lookup can find now."""
+        return self._manager.cached_block_hashes()
 
     def close(self) -> None:
         """Hand every block the pool holds to the tier, finish its writes and close it

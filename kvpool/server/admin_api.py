@@ -96,11 +96,17 @@ def _tenant_view(snap: EngineSnapshot, tenant: Tenant) -> dict[str, Any]:
 
 
 @router.get("/api/kvcache")
-async def kvcache(http: Request, state: State) -> Any:
+async def kvcache(http: Request, state: State, blocks: bool = False) -> Any:
+    """The pool's counters (a tenant: its own share). An admin's ``?blocks=true`` adds
+    ``block_hashes``: the chain hash (16 hex digits) of every block a prefix lookup can
+    find, taken between two steps (what a cluster router's index must equal)."""
     snap = state.model.snapshot  # never waits for a step
     tenant = tenant_of(http)
     if not tenant.admin:
         return {**_capacity(snap, state), **_tenant_view(snap, tenant)}
+    hashes = None
+    if blocks:
+        hashes = [f"{k:016x}" for k in sorted(await state.model.llm.cached_block_hashes())]
     cache = snap.cache
     tenants = {
         tenant_name(salt): {
@@ -119,6 +125,7 @@ async def kvcache(http: Request, state: State) -> Any:
         "steps": snap.steps,
         "tenants": tenants,
         "tier": asdict(snap.tier) if snap.tier is not None else None,
+        **({"block_hashes": hashes} if hashes is not None else {}),
     }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from kvpool.engine import config as engine_config
 
@@ -68,9 +70,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no load progress, warnings only")
 
 
-def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+@dataclasses.dataclass
+class Built:
+    """A server's parts before it listens: the ASGI app, the started model's driver
+    (``llm``, not started yet) and its pool's description (one line)."""
 
+    app: Any
+    llm: Any
+    model: Any
+    summary: str
+
+
+class StartupError(Exception):
+    """The server cannot start (an unknown model, a bad flag): said in one line."""
+
+
+def build(args: argparse.Namespace) -> Built:
+    """Load the model, build its engine and the app, as ``kvpool serve`` runs them (a
+    cluster replica builds the same, in process)."""
     from kvpool.engine.async_llm import AsyncLLM
     from kvpool.engine.engine import Engine
     from kvpool.model.loader import load_model
@@ -81,9 +98,6 @@ def serve(args: argparse.Namespace) -> int:
     from kvpool.server.models import ModelRegistry, keep_alive_seconds
     from kvpool.server.served_model import ServedModel
 
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
-    host, port = host_and_port(args)
     try:
         if args.max_models < 1:
             raise ValueError("--max-models must be at least 1")
@@ -94,7 +108,6 @@ def serve(args: argparse.Namespace) -> int:
         config = engine_config.from_args(args, max_queue=args.max_queue)
         # one KV budget, an equal pool for each model that may be loaded at once
         config = config.replace(kv_cache_memory=config.kv_cache_memory // args.max_models)
-        pool_config = config  # (``config`` is uvicorn's below)
         loaded = load_model(
             args.model,
             dtype=args.dtype,
@@ -103,21 +116,19 @@ def serve(args: argparse.Namespace) -> int:
         )
         engine = Engine(loaded.model, config, tokenizer=loaded.tokenizer)
     except (ModelNotFound, ValueError, OSError, APIError) as exc:
-        print(f"kvpool: {exc}", file=sys.stderr)
-        return 2
+        raise StartupError(str(exc)) from None
     if args.quiet:  # the compute choice is said even then: one line
         print(f"kvpool: {loaded.compute_line()}", file=sys.stderr)
     llm = AsyncLLM(engine)
     model = ServedModel.open(args.model, loaded, llm)
     n, bs = engine.num_blocks, engine.block_size
-    print(
+    summary = (
         f"  KV pool: {n} blocks of {bs} tokens = {n * bs:,} token slots "
         f"({n * engine.kv_bytes_per_block / 2**20:.0f} MiB, {engine.kv_cache_dtype}), policy "
         f"{config.policy}, prefix "
         f"caching {'on' if config.prefix_caching else 'off'}, API keys "
         f"{'on' if keys.enabled else 'off'}"
-        + (f"; up to {args.max_models} models, a pool each" if args.max_models > 1 else ""),
-        file=sys.stderr,
+        + (f"; up to {args.max_models} models, a pool each" if args.max_models > 1 else "")
     )
 
     def load_more(requested: str, kv_bytes: int) -> ServedModel:
@@ -127,7 +138,7 @@ def serve(args: argparse.Namespace) -> int:
                               batch_invariant=args.batch_invariant)  # fmt: skip
         except ModelNotFound as exc:
             raise LookupError(str(exc)) from None
-        engine = Engine(more.model, pool_config.replace(kv_cache_memory=kv_bytes),
+        engine = Engine(more.model, config.replace(kv_cache_memory=kv_bytes),
                         tokenizer=more.tokenizer)  # fmt: skip
         driver = AsyncLLM(engine)
         driver.start()
@@ -148,6 +159,22 @@ def serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         models=registry,
     )
+    return Built(app, llm, model, summary)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")  # fmt: skip
+    host, port = host_and_port(args)
+    try:
+        built = build(args)
+    except StartupError as exc:
+        print(f"kvpool: {exc}", file=sys.stderr)
+        return 2
+    app, llm, model = built.app, built.llm, built.model
+    print(built.summary, file=sys.stderr)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -93,7 +93,18 @@ def _load_or_unload(model: ServedModel, state: ServerState) -> str:
     return "load"
 
 
-def _message(m: Message) -> dict[str, Any]:
+def generate_prompt(model: Any, body: GenerateBody) -> list[int]:
+    """A generate request's prompt ids: its ``context``, then the prompt (raw, or in the
+    chat template with its ``system``)."""
+    if body.raw:
+        ids = model.encode(body.prompt)
+    else:
+        messages = [{"role": "system", "content": body.system}] if body.system else []
+        ids = model.encode_chat([*messages, {"role": "user", "content": body.prompt}])
+    return model.check_tokens(list(body.context or []), "context") + ids
+
+
+def template_message(m: Message) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.tool_calls:
         out["tool_calls"] = tools.message_calls(m.tool_calls)
@@ -147,12 +158,7 @@ async def generate(http: Request, state: State) -> Any:
         # Ollama's way to load a model (or, with keep_alive 0, to unload it)
         return {"model": model.name, "created_at": _now(), "response": "", "done": True,
                 "done_reason": _load_or_unload(model, state)}  # fmt: skip
-    if body.raw:
-        ids = model.encode(body.prompt)
-    else:
-        messages = [{"role": "system", "content": body.system}] if body.system else []
-        ids = model.encode_chat([*messages, {"role": "user", "content": body.prompt}])
-    ids = model.check_tokens(list(body.context or []), "context") + ids
+    ids = generate_prompt(model, body)
     asked = logprobs.requested(body.logprobs, body.top_logprobs, "/api/generate")
     params = ollama_params(body.options, len(ids), model.context_length, asked)
     params = await constrained(params, ollama_format(body.format), model, len(ids))
@@ -190,7 +196,7 @@ async def chat(http: Request, state: State) -> Any:
         return {"model": model.name, "created_at": _now(),
                 "message": {"role": "assistant", "content": ""}, "done": True,
                 "done_reason": _load_or_unload(model, state)}  # fmt: skip
-    ids, plan = tools.prepare(model, [_message(m) for m in body.messages], body.tools, None)
+    ids, plan = tools.prepare(model, [template_message(m) for m in body.messages], body.tools, None)
     asked = logprobs.requested(body.logprobs, body.top_logprobs, "/api/chat")
     params = ollama_params(body.options, len(ids), model.context_length, asked)
     params = await constrained(params, ollama_format(body.format), model, len(ids))

@@ -77,7 +77,7 @@ class CompletionBody(_Common):
     suffix: str | None = None
 
 
-def _message(m: ChatMessage) -> dict[str, Any]:
+def template_message(m: ChatMessage) -> dict[str, Any]:
     """A chat message for the template: system for developer, calls with dict arguments."""
     out: dict[str, Any] = {
         "role": "system" if m.role == "developer" else m.role,
@@ -86,6 +86,18 @@ def _message(m: ChatMessage) -> dict[str, Any]:
     if m.tool_calls:
         out["tool_calls"] = tools.message_calls(m.tool_calls)
     return out
+
+
+def completion_prompt(model: Any, body: CompletionBody) -> tuple[str | list[int], list[int]]:
+    """A completion request's prompt (its text, or the ids it was given) and its ids."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise bad_request("send one prompt per request (a list of prompts is not supported)")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt, model.encode(prompt)
+    return prompt, model.check_tokens(list(prompt), "prompt")
 
 
 def _chat_choice(text: str, reason: str | None, plan: tools.ToolPlan) -> dict[str, Any]:
@@ -168,7 +180,7 @@ async def chat_completions(http: Request, state: State) -> Any:
     if not body.messages:
         raise bad_request("messages must not be empty")
     ids, plan = tools.prepare(
-        model, [_message(m) for m in body.messages], body.tools, body.tool_choice
+        model, [template_message(m) for m in body.messages], body.tools, body.tool_choice
     )
     if plan.forced is not None:
         if fmt is not None:
@@ -243,15 +255,7 @@ async def completions(http: Request, state: State) -> Any:
     _check_common(body)
     if body.suffix:
         raise bad_request("suffix is not supported by kvpool")
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1:
-            raise bad_request("send one prompt per request (a list of prompts is not supported)")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = model.encode(prompt)
-    else:
-        ids = model.check_tokens(list(prompt), "prompt")
+    prompt, ids = completion_prompt(model, body)
     if not ids:
         raise bad_request("the prompt is empty")
     # echo with max_tokens 0 scores the prompt alone (lm-eval's loglikelihood requests):

@@ -1,0 +1,176 @@
+"""``kvpool cluster``: kvpool replicas on Ray Serve behind one ingress.
+
+The application: an ingress deployment (one replica: the HTTP door, the tokenizer, the
+router; ``kvpool.cluster.ingress``), an engine deployment of N replicas (each a whole
+kvpool server with its own block pool; ``kvpool.cluster.replica``) and one named actor,
+the ``KVEventLog``, through which replicas' KV events reach the router. The engine
+deployment's router is chosen by ``--router``: ``kvpool`` (``KVPrefixRouter``: the
+longest cached prefix, balanced against load), ``pow2`` (Ray Serve's default, power of
+two choices) or ``prefix-affinity`` (Ray Serve LLM's ``PrefixCacheAffinityRouter``,
+which matches prompt text), so the three can be compared on one cluster.
+
+Ray runs locally (started here, the default) or is joined (``--address``, as ``ray
+start --head`` printed it); every node then needs the model file at the same path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+from kvpool.cluster.event_log import KVEventLog
+
+APP_NAME = "kvpool"
+ENGINE = "kvpool-engine"
+LOG_NAMESPACE = "kvpool"
+ROUTERS = {
+    "kvpool": "kvpool.cluster.router:KVPrefixRouter",
+    "pow2": "kvpool.cluster.baseline_routers:Pow2Router",  # Ray Serve's default policy
+    "prefix-affinity": "kvpool.cluster.baseline_routers:PrefixAffinityRouter",
+}
+
+
+def log_name(app_name: str) -> str:
+    return f"kvpool-kv-events-{app_name}"
+
+
+def event_log(block_size: int, app_name: str = APP_NAME) -> Any:
+    """The application's ``KVEventLog`` actor (made by whoever asks first)."""
+    import ray
+
+    actor = ray.remote(KVEventLog).options(
+        name=log_name(app_name), namespace=LOG_NAMESPACE, get_if_exists=True,
+        lifetime="detached", num_cpus=0, max_concurrency=1000,
+    )  # fmt: skip
+    return actor.remote(block_size)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvpool.server import main
+
+    main.add_arguments(p)
+    p.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads per replica (default: CPUs / replicas)")  # fmt: skip
+    p.add_argument("--address", default=None,
+                   help="join this Ray cluster (e.g. 10.0.0.1:6379, or 'auto'); default: "
+                        "start Ray on this machine")  # fmt: skip
+    p.add_argument("--router", choices=sorted(ROUTERS), default="kvpool",
+                   help="how requests are sent to replicas (default kvpool: by cached "
+                        "prefix, balanced against load)")  # fmt: skip
+    p.add_argument("--imbalance", type=int, default=4, metavar="REQUESTS",
+                   help="kvpool router: a replica with this many more requests in flight "
+                        "than the least loaded one loses a request to it (default 4)")  # fmt: skip
+
+
+def serve_argv(args: argparse.Namespace) -> list[str]:
+    """The ``kvpool serve`` flags each replica builds its server from."""
+    argv: list[str] = [args.model] if args.model else []
+    skip = {"model", "replicas", "threads", "address", "router", "imbalance", "host", "port",
+            "func", "command"}  # fmt: skip
+    for key, value in vars(args).items():
+        if key in skip or value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif isinstance(value, list):
+            for item in value:
+                argv += [flag, str(item)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def application(args: argparse.Namespace, block_size: int, model_path: str) -> Any:
+    """The Ray Serve application the arguments describe."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from kvpool.cluster.ingress_deployment import ingress_deployment
+    from kvpool.cluster.replica import EngineReplica
+
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
+    kwargs: dict[str, Any] = {}
+    if args.router == "kvpool":
+        kwargs = {"block_size": block_size, "imbalance": args.imbalance,
+                  "log_name": log_name(APP_NAME), "log_namespace": LOG_NAMESPACE}  # fmt: skip
+    router_config = RequestRouterConfig(
+        request_router_class=ROUTERS[args.router], request_router_kwargs=kwargs
+    )
+    engine = serve.deployment(
+        EngineReplica,
+        name=ENGINE,
+        num_replicas=args.replicas,
+        max_ongoing_requests=args.max_queue + 256,
+        ray_actor_options={
+            "num_cpus": threads,
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}},
+        },
+        health_check_period_s=2,
+        graceful_shutdown_timeout_s=5,
+        request_router_config=router_config,
+    )
+    KVPoolIngress = ingress_deployment()
+    return KVPoolIngress.bind(
+        engine.bind(serve_argv(args), log_name(APP_NAME), LOG_NAMESPACE),
+        model_path=model_path,
+        block_size=block_size,
+        api_keys=args.api_key,
+        keys_file=str(args.keys_file) if args.keys_file else None,
+        deployment=ENGINE,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """``kvpool cluster``: start (or join) Ray, run the application, serve until stopped."""
+    import ray
+    from ray import serve
+
+    from kvpool.model_store import ModelNotFound, resolve_model_path
+    from kvpool.server.main import host_and_port
+
+    if args.replicas < 1:
+        print("kvpool: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        model_path = str(resolve_model_path(args.model))
+    except ModelNotFound as exc:
+        print(f"kvpool: {exc}", file=sys.stderr)
+        return 2
+    host, port = host_and_port(args)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.replicas)
+    if args.address:
+        ray.init(address=args.address, namespace=LOG_NAMESPACE, log_to_driver=not args.quiet)
+    else:
+        cpus = max(os.cpu_count() or 1, args.replicas * threads)
+        ray.init(num_cpus=cpus, include_dashboard=False, namespace=LOG_NAMESPACE,
+                 log_to_driver=not args.quiet)  # fmt: skip
+    log_actor = event_log(args.block_size)
+    serve.start(http_options={"host": host, "port": port})
+    print(
+        f"kvpool: starting {args.replicas} replicas ({threads} threads each, router "
+        f"{args.router}) of {model_path}",
+        file=sys.stderr,
+        flush=True,
+    )
+    serve.run(application(args, args.block_size, model_path), name=APP_NAME, route_prefix="/")
+    print(f"kvpool: {args.replicas} replicas on Ray Serve, router {args.router}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    print(f"kvpool: serving {args.model or 'the built-in model'} on http://{host}:{port}",
+          flush=True)  # fmt: skip
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    print("kvpool: stopping the cluster", file=sys.stderr, flush=True)
+    serve.delete(APP_NAME)
+    serve.shutdown()
+    ray.kill(log_actor)
+    ray.shutdown()
+    print("kvpool: stopped", file=sys.stderr)
+    return 0

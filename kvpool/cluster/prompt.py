@@ -1,0 +1,72 @@
+"""The ingress's view of a request's prompt: its token ids, as a replica will see them.
+
+The router matches a request's leading blocks against what each replica caches, so the
+ingress tokenizes with the model's own tokenizer and chat template, through the same
+functions the replica's API routes use (``ollama_api.generate_prompt``,
+``tools.prepare``, ``openai_api.completion_prompt``): the keys it computes are the keys
+the replica's block manager will find. No weights are loaded here, only the GGUF's
+header.
+
+A body the ingress cannot read (bad JSON, a field the API refuses) gets no prompt: the
+request is routed by load and the replica answers it with the API's own error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvpool.formats.gguf_header import read_gguf_header
+from kvpool.model.tokenizer import Tokenizer
+from kvpool.server import ollama_api, openai_api, tools
+
+
+class PromptReader:
+    """Tokenizer-only stand-in for a served model (what the prompt functions call)."""
+
+    def __init__(self, path: Path) -> None:
+        self.tokenizer = Tokenizer.from_gguf(read_gguf_header(path))
+        self.vocab_size = self.tokenizer.vocab_size
+
+    @property
+    def chat_template(self) -> str:
+        return self.tokenizer.chat_template or ""
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True, **extra)
+
+    def check_tokens(self, ids: list[int], field: str) -> list[int]:
+        if any(not isinstance(i, int) or not 0 <= i < self.vocab_size for i in ids):
+            raise ValueError(f"{field}: token ids out of range")
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special=False)
+
+    def prompt_ids(self, path: str, body: bytes) -> list[int] | None:
+        """The prompt's token ids for a generation route, None for anything else (or a
+        body this cannot read)."""
+        try:
+            data = json.loads(body)
+            if path == "/api/generate":
+                gen = ollama_api.GenerateBody.model_validate(data)
+                return ollama_api.generate_prompt(self, gen) if gen.prompt else None
+            if path == "/api/chat":
+                chat = ollama_api.ChatBody.model_validate(data)
+                messages = [ollama_api.template_message(m) for m in chat.messages]
+                return tools.prepare(self, messages, chat.tools, None)[0] if messages else None
+            if path == "/v1/chat/completions":
+                oai = openai_api.ChatBody.model_validate(data)
+                messages = [openai_api.template_message(m) for m in oai.messages]
+                choice = oai.tool_choice
+                return tools.prepare(self, messages, oai.tools, choice)[0] if messages else None
+            if path == "/v1/completions":
+                comp = openai_api.CompletionBody.model_validate(data)
+                return openai_api.completion_prompt(self, comp)[1]
+        except Exception:  # any unreadable body: routed by load, answered by a replica
+            return None
+        return None
