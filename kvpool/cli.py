@@ -64,6 +64,18 @@ def _bench(args: argparse.Namespace) -> int:
             )
         )
         return 0
+    if args.what == "cluster":
+        from kvpool.bench import cluster
+
+        print(
+            cluster.run(
+                names=args.workloads or ["system-prompts", "chat"],
+                requests=args.requests or 64,
+                clients=args.clients,
+                kv_cache_memory=args.kv_cache_memory or 160,
+            )
+        )
+        return 0
     if args.what == "model":
         if args.batches:
             os.environ["KVPOOL_BENCH_BATCHES"] = ",".join(str(b) for b in args.batches)
@@ -147,11 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
             "kv-tier",
             "grammar",
             "serve",
+            "cluster",
             "synth-model",
         ],
         help="cache: the block manager's own cost; model: the runtime beside transformers "
         "and llama.cpp; engine: workloads with prefix caching on/off and the static policy; "
-        "serve: the workloads over HTTP against kvpool and/or other servers; synth-model: "
+        "serve: the workloads over HTTP against kvpool and/or other servers; cluster: "
+        "kvpool cluster's router beside Ray Serve's on the same replicas; synth-model: "
         "write a random-weight GGUF file with a real model's geometry and quant mix; "
         "kv-dtype: KV block dtypes' quality against float32 and capacity on a small budget; "
         "kv-tier: the second KV tier's time to first token and workloads with it on/off; "
@@ -159,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--requests", type=int, default=None,
-        help="engine, serve: requests per workload (default 64); kv-dtype: 32",
+        help="engine, serve: requests per workload (default 64; cluster: per system "
+        "prompt); kv-dtype: 32",
     )  # fmt: skip
     bench.add_argument(
         "--dtype", default=None, choices=["float32", "bfloat16"], help="default: measured"
@@ -177,11 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--workloads", nargs="+", default=None,
         help="engine: shared-prefix distinct chat prefix-length block-size (default: all); "
-        "serve: shared-prefix distinct chat (default: all)",
+        "serve: system-prompts shared-prefix distinct chat (default: the last three); "
+        "cluster: default system-prompts chat",
     )  # fmt: skip
     bench.add_argument(
         "--kv-cache-memory", type=int, default=None, metavar="MiB",
-        help="serve: the pool of the servers it starts (default 256); kv-dtype: 32",
+        help="serve: the pool of the servers it starts (default 256); cluster: of each "
+        "replica (default 160); kv-dtype: 32",
     )  # fmt: skip
     bench.add_argument(
         "--rounds", type=int, default=3, help="model: alternating rounds of both sides"

@@ -9,7 +9,10 @@ where the server accepts it):
   64 output tokens;
 - ``distinct``: ~200-token prompts sharing nothing, 128 output tokens;
 - ``chat``: conversations of several turns, each turn resending the whole history
-  (the answer so far included), 48 output tokens per turn; conversations run at once.
+  (the answer so far included), 48 output tokens per turn; conversations run at once;
+- ``system-prompts``: 8 distinct ~600-token system prompts, N questions each, interleaved,
+  16 output tokens (the cluster benchmark's: a router must send each prompt's requests
+  where it is cached).
 
 Per workload and server: wall time, output tokens/s, time to first token and request
 latency p50/p99, prompt tokens and how many the server reported cached.
@@ -82,7 +85,15 @@ def workloads(requests: int = 64, seed: int = 0) -> dict[str, Workload]:
         )
         for _ in range(max(1, requests // 4))
     ]
+    # 8 system prompts, `requests` questions each, interleaved: what a cluster's router
+    # must keep apart (kvpool bench cluster)
+    systems = [{"role": "system", "content": _text(rng, 480)} for _ in range(8)]
+    prompts = [
+        Conversation([[systems[i % 8], {"role": "user", "content": _text(rng, 12)}]], 16)
+        for i in range(8 * requests)
+    ]
     return {
+        "system-prompts": Workload("system-prompts", prompts),
         "shared-prefix": Workload("shared-prefix", shared),
         "distinct": Workload("distinct", distinct),
         "chat": Workload("chat", chats),

@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+DISCONNECT_GRACE_S = 5.0  # how long an app may take to end once its client left
+
 
 @dataclass
 class HTTPRequest:
@@ -113,11 +115,13 @@ async def call_app(app: Any, request: HTTPRequest) -> AsyncIterator[ResponseStar
                 if not message.get("more_body", False):
                     return
     finally:
-        gone.set()
-        if not task.done():
-            task.cancel()
+        gone.set()  # the app sees the client leave and ends its response itself...
         with contextlib.suppress(BaseException):
-            await task
+            await asyncio.wait({task}, timeout=DISCONNECT_GRACE_S)
+        if not task.done():  # ...or is stopped
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
 
 class Lifespan:

@@ -16,8 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import PendingRequest, RunningReplica
 
-from kvpool.cluster.router import ReplicaDirectory
+from kvpool.cluster.router import ReplicaDirectory, routed_request
 
 
 class Pow2Router(ReplicaDirectory, PowerOfTwoChoicesRequestRouter):
@@ -38,3 +39,11 @@ class PrefixAffinityRouter(ReplicaDirectory, _prefix_affinity_base()):  # type: 
     def initialize_state(self, **kwargs: Any) -> None:
         super().initialize_state(**kwargs)
         self._register()
+
+    async def choose_unnamed(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None
+    ) -> list[list[RunningReplica]]:
+        request = routed_request(pending_request)
+        if request is None or not request.prompt:  # no prompt (it divides by its length):
+            return [candidate_replicas]  # the shortest queue, as Ray Serve picks in a rank
+        return await super().choose_unnamed(candidate_replicas, pending_request)

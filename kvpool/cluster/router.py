@@ -57,7 +57,7 @@ class ReplicaDirectory:
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        request = _routed(pending_request)
+        request = routed_request(pending_request)
         if request is not None and request.replica is not None:  # a named replica only
             by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
             return [[by_id[request.replica]]] if request.replica in by_id else []
@@ -73,7 +73,7 @@ class KVPrefixRouter(ReplicaDirectory, RequestRouter):
     def initialize_state(
         self,
         block_size: int = 16,
-        imbalance: int = 4,
+        imbalance: int = 16,
         log_name: str = "",
         log_namespace: str = "",
         **_: Any,
@@ -120,7 +120,7 @@ class KVPrefixRouter(ReplicaDirectory, RequestRouter):
     ) -> list[list[RunningReplica]]:
         self._ensure_puller()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        request = _routed(pending_request)
+        request = routed_request(pending_request)
         keys = request.keys if request is not None else []
         ranks = self.routing.rank(list(by_id), keys)
         return [[by_id[r] for r in rank] for rank in ranks]
@@ -128,7 +128,7 @@ class KVPrefixRouter(ReplicaDirectory, RequestRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
-        request = _routed(pending_request)
+        request = routed_request(pending_request)
         rid = pending_request.metadata.internal_request_id
         self._by_request[rid] = replica_id.unique_id
         self.routing.routed(rid, replica_id.unique_id, request.keys if request else [])
@@ -154,7 +154,7 @@ class KVPrefixRouter(ReplicaDirectory, RequestRouter):
             self._log.forget.remote(replica)
 
 
-def _routed(pending: PendingRequest | None) -> RoutedRequest | None:
+def routed_request(pending: PendingRequest | None) -> RoutedRequest | None:
     if pending is None or not pending.args:
         return None
     first = pending.args[0]

@@ -56,7 +56,7 @@ class _Expectation:
 
 
 class PrefixRouting:
-    def __init__(self, block_size: int, imbalance: int = 4, expect_s: float = 60.0) -> None:
+    def __init__(self, block_size: int, imbalance: int = 16, expect_s: float = 60.0) -> None:
         if imbalance < 1:
             raise ValueError("imbalance must be at least 1 request")
         self.block_size = block_size

@@ -1,0 +1,208 @@
+"""The cluster's parts that need no Ray: the event log and a router's replay of it, the
+routing policy, and a request through an ASGI app in process.
+
+- Log and replay: replicas' random operations published in batches, a router pulling as
+  it likes (and one that fell behind the log's window: it gets a snapshot) holds exactly
+  each replica's cached block set; a forgotten replica holds nothing, and a batch it
+  still had in flight does not bring it back.
+- Policy: the longest cached prefix wins; a request's prefix counts as soon as it is
+  routed (before any event); a much busier replica loses; ties go to the less loaded.
+- ASGI: streamed parts arrive in order; closing early tells the app the client left; an
+  app that fails before answering gives a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from kvpool.cache import KVCacheManager
+from kvpool.cache.kv_index import prefix_keys
+from kvpool.cluster.asgi_call import HTTPRequest, ResponseStart, call_app
+from kvpool.cluster.event_log import IndexReplay, KVEventLog, ReplicaLoad
+from kvpool.cluster.routing import PrefixRouting
+
+BS = 4
+
+
+def _run(manager: KVCacheManager, seq: int, tokens: list[int], salt=None) -> None:
+    manager.allocate(seq, tokens, salt, computed=False)
+    manager.mark_computed(seq, len(tokens))
+    manager.free(seq)
+
+
+@pytest.mark.parametrize("keep", [4096, 3])
+def test_replayed_index_equals_every_replicas_blocks(keep):
+    rng = random.Random(keep)
+    replicas = {n: KVCacheManager(24, BS) for n in ("a", "b", "c")}
+    for m in replicas.values():
+        m.enable_kv_events()
+    log = KVEventLog(BS, keep=keep)
+    eager, lazy = IndexReplay(BS), IndexReplay(BS)
+    systems = [[rng.randrange(30) for _ in range(3 * BS)] for _ in range(5)]
+
+    async def scenario() -> None:
+        for step in range(400):
+            name = rng.choice(list(replicas))
+            op = rng.random()
+            if op < 0.05:
+                replicas[name].reset_prefix_cache()
+            elif op < 0.1:
+                replicas[name].pin(rng.choice(systems))
+            else:
+                extra = [rng.randrange(30) for _ in range(rng.randrange(1, 9))]
+                _run(replicas[name], step, rng.choice(systems) + extra, rng.choice([None, "t"]))
+            log.publish(name, replicas[name].take_kv_events(), ReplicaLoad(free_blocks=step))
+            eager.apply(await log.pull(eager.cursor, 0))
+            if step % 37 == 0:  # a router that pulls seldom (behind the window: a snapshot)
+                lazy.apply(await log.pull(lazy.cursor, 0))
+        lazy.apply(await log.pull(lazy.cursor, 0))
+
+    asyncio.run(scenario())
+    for replay in (eager, lazy):
+        for name, m in replicas.items():
+            assert replay.index.blocks_of(name) == m.cached_block_hashes()
+            pinned = {b.block_hash for b in m.pool.blocks if b.pin_count and b.block_hash}
+            assert replay.index.pinned_of(name) == pinned
+    assert log.blocks() == {n: sorted(m.cached_block_hashes()) for n, m in replicas.items()}
+
+
+def test_a_forgotten_replica_stays_forgotten():
+    m = KVCacheManager(16, BS)
+    m.enable_kv_events()
+    log, replay = KVEventLog(BS), IndexReplay(BS)
+    _run(m, 1, list(range(13)))
+    assert log.publish("a", m.take_kv_events())
+    log.forget("a")
+    _run(m, 2, list(range(20, 33)))
+    assert not log.publish("a", m.take_kv_events())  # its last batch, arriving late
+    replay.apply(asyncio.run(log.pull(None, 0)))
+    assert replay.index.blocks_of("a") == set()
+    assert log.blocks() == {} or log.blocks() == {"a": []}
+
+
+def test_a_pull_waits_for_news_and_returns_it():
+    log = KVEventLog(BS)
+    m = KVCacheManager(16, BS)
+    m.enable_kv_events()
+
+    async def scenario() -> dict:
+        cursor = (await log.pull(None, 0))["cursor"]
+        waiting = asyncio.create_task(log.pull(cursor, 30))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        _run(m, 1, list(range(9)))
+        log.publish("a", m.take_kv_events())
+        return await asyncio.wait_for(waiting, 5)
+
+    pulled = asyncio.run(scenario())
+    assert [name for name, _ in pulled["entries"]] == ["a"]
+
+
+def _keys(tokens: list[int]) -> list[int]:
+    return prefix_keys(tokens, BS, None)
+
+
+def _cache(routing: PrefixRouting, replica: str, tokens: list[int]) -> None:
+    m = KVCacheManager(32, BS)
+    m.enable_kv_events()
+    _run(m, 1, tokens)
+    routing.replay.index.apply(replica, m.take_kv_events())
+
+
+def test_the_longest_cached_prefix_wins():
+    routing = PrefixRouting(BS, imbalance=4)
+    system = list(range(100, 120))
+    _cache(routing, "b", [*system[:8], 1, 2, 3])  # two blocks of the system prompt
+    _cache(routing, "c", [*system, 1, 2, 3])  # all five
+    prompt = [*system, 7, 7]
+    assert routing.rank(["a", "b", "c"], _keys(prompt))[0] == ["c"]
+    assert routing.routed_by_prefix == 1
+    assert routing.rank(["a", "b"], _keys(prompt))[0] == ["b"]
+    unknown = list(range(500, 520))
+    routing.in_flight.update({"a": 1, "b": 0, "c": 2})
+    assert routing.rank(["a", "b", "c"], _keys(unknown))[0] == ["b"]  # least loaded
+    assert routing.routed_by_load == 1
+
+
+def test_a_routed_prefix_counts_before_its_events_and_ends_with_its_request():
+    routing = PrefixRouting(BS, imbalance=4)
+    prompt = list(range(40))
+    keys = _keys(prompt)
+    first = routing.rank(["a", "b"], keys)[0][0]
+    routing.routed("r1", first, keys)
+    other = "b" if first == "a" else "a"
+    routing.in_flight[other] = 0
+    assert routing.rank(["a", "b"], keys)[0] == [first]  # expected there, though busier
+    routing.completed("r1", first)
+    assert routing.in_flight[first] == 0
+    assert routing.hits(["a", "b"], keys) == {"a": 0, "b": 0}  # no events came: nothing
+
+
+def test_a_much_busier_replica_loses_the_request():
+    routing = PrefixRouting(BS, imbalance=3)
+    system = list(range(100, 120))
+    _cache(routing, "a", [*system, 1])
+    keys = _keys([*system, 9, 9])
+    routing.in_flight.update({"a": 2, "b": 0})
+    assert routing.rank(["a", "b"], keys)[0] == ["a"]  # 2 more: within the threshold
+    routing.in_flight["a"] = 3
+    assert routing.rank(["a", "b"], keys) == [["b"], ["a"]]
+    routing.drop("a")
+    assert routing.hits(["a", "b"], keys) == {"a": 0, "b": 0}
+    with pytest.raises(ValueError):
+        PrefixRouting(BS, imbalance=0)
+
+
+async def _streaming_app(scope, receive, send):
+    assert scope["path"] == "/stream" and scope["query_string"] == b"n=3"
+    body = await receive()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/x-ndjson")]})  # fmt: skip
+    for i in range(3):
+        await send({"type": "http.response.body", "body": body["body"] + str(i).encode(),
+                    "more_body": True})  # fmt: skip
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def test_a_request_streams_through_an_app_in_process():
+    async def scenario() -> list:
+        request = HTTPRequest("POST", "/stream", b"n=3", [], b"x")
+        return [part async for part in call_app(_streaming_app, request)]
+
+    parts = asyncio.run(scenario())
+    assert isinstance(parts[0], ResponseStart) and parts[0].status == 200
+    assert parts[0].header("Content-Type") == "application/x-ndjson"
+    assert parts[1:] == [b"x0", b"x1", b"x2"]
+
+
+def test_closing_early_tells_the_app_the_client_left():
+    seen: list[str] = []
+
+    async def endless(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        seen.append((await receive())["type"])  # what a streaming response listens for
+
+    async def scenario() -> None:
+        stream = call_app(endless, HTTPRequest("GET", "/"))
+        assert isinstance(await stream.__anext__(), ResponseStart)
+        assert await stream.__anext__() == b"first"
+        await stream.aclose()
+
+    asyncio.run(scenario())
+    assert seen == ["http.disconnect"]
+
+
+def test_an_app_that_fails_before_answering_gives_a_500():
+    async def broken(scope, receive, send):
+        raise RuntimeError("boom")
+
+    async def scenario() -> list:
+        return [p async for p in call_app(broken, HTTPRequest("GET", "/"))]
+
+    start, body = asyncio.run(scenario())
+    assert start.status == 500 and b"boom" in body
