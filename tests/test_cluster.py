@@ -101,8 +101,11 @@ def cluster():
         server.stop()
 
 
+HIT_RATES: dict[str, float] = {}  # router -> share of later prompt tokens from cache
+
+
 def test_kvpool_router_serves_each_prompt_from_cache(cluster):
-    hit = shared_prompt_run(cluster)
+    hit = HIT_RATES["kvpool"] = shared_prompt_run(cluster)
     assert hit >= 0.9, f"only {hit:.1%} of later prompt tokens came from cache"
     view = cluster_view(cluster)
     assert view["routed_by_prefix"] >= 4 * 15
@@ -159,7 +162,9 @@ def test_default_router_caches_less():
         hit = shared_prompt_run(server)
     finally:
         server.stop()
-    assert hit < 0.9, f"the default router happened to cache {hit:.1%}"
+    kvpool = HIT_RATES.get("kvpool", 0.9)
+    print(f"prompt tokens from cache: kvpool's router {kvpool:.1%}, Ray Serve's pow2 {hit:.1%}")
+    assert hit < kvpool, f"the default router cached {hit:.1%}, kvpool's {kvpool:.1%}"
 
 
 def test_a_replica_killed_mid_run(cluster):
