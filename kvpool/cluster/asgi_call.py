@@ -23,6 +23,14 @@ from typing import Any
 DISCONNECT_GRACE_S = 5.0  # how long an app may take to end once its client left
 
 
+def _header(headers: list[tuple[bytes, bytes]], name: str) -> str | None:
+    key = name.lower().encode()
+    for k, v in headers:
+        if k.lower() == key:
+            return v.decode("latin-1")
+    return None
+
+
 @dataclass
 class HTTPRequest:
     method: str
@@ -32,11 +40,7 @@ class HTTPRequest:
     body: bytes = b""
 
     def header(self, name: str) -> str | None:
-        key = name.lower().encode()
-        for k, v in self.headers:
-            if k.lower() == key:
-                return v.decode("latin-1")
-        return None
+        return _header(self.headers, name)
 
 
 @dataclass
@@ -45,11 +49,7 @@ class ResponseStart:
     headers: list[tuple[bytes, bytes]]
 
     def header(self, name: str) -> str | None:
-        key = name.lower().encode()
-        for k, v in self.headers:
-            if k.lower() == key:
-                return v.decode("latin-1")
-        return None
+        return _header(self.headers, name)
 
 
 def _scope(request: HTTPRequest) -> dict[str, Any]:
