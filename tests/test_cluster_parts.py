@@ -5,8 +5,9 @@ routing policy, and a request through an ASGI app in process.
   it likes (and one that fell behind the log's window: it gets a snapshot) holds exactly
   each replica's cached block set; a forgotten replica holds nothing, and a batch it
   still had in flight does not bring it back.
-- Policy: the longest cached prefix wins; a request's prefix counts as soon as it is
-  routed (before any event); a much busier replica loses; ties go to the less loaded.
+- Policy: the least work wins (uncached prompt tokens plus the backlog sent there); a
+  request's prefix counts as soon as it is routed (before any event); a replica with
+  many more requests in flight is passed over.
 - ASGI: streamed parts arrive in order; closing early tells the app the client left; an
   app that fails before answering gives a 500.
 """
@@ -118,12 +119,12 @@ def test_the_longest_cached_prefix_wins():
     _cache(routing, "b", [*system[:8], 1, 2, 3])  # two blocks of the system prompt
     _cache(routing, "c", [*system, 1, 2, 3])  # all five
     prompt = [*system, 7, 7]
-    assert routing.rank(["a", "b", "c"], _keys(prompt))[0] == ["c"]
+    assert routing.rank(["a", "b", "c"], _keys(prompt), len(prompt))[0] == ["c"]
     assert routing.routed_by_prefix == 1
-    assert routing.rank(["a", "b"], _keys(prompt))[0] == ["b"]
+    assert routing.rank(["a", "b"], _keys(prompt), len(prompt))[0] == ["b"]
     unknown = list(range(500, 520))
-    routing.in_flight.update({"a": 1, "b": 0, "c": 2})
-    assert routing.rank(["a", "b", "c"], _keys(unknown))[0] == ["b"]  # least loaded
+    routing.pending.update({"a": 5, "b": 0, "c": 9})
+    assert routing.rank(["a", "b", "c"], _keys(unknown), len(unknown))[0] == ["b"]  # least work
     assert routing.routed_by_load == 1
 
 
@@ -131,25 +132,28 @@ def test_a_routed_prefix_counts_before_its_events_and_ends_with_its_request():
     routing = PrefixRouting(BS, imbalance=4)
     prompt = list(range(40))
     keys = _keys(prompt)
-    first = routing.rank(["a", "b"], keys)[0][0]
-    routing.routed("r1", first, keys)
-    other = "b" if first == "a" else "a"
-    routing.in_flight[other] = 0
-    assert routing.rank(["a", "b"], keys)[0] == [first]  # expected there, though busier
+    first = routing.rank(["a", "b"], keys, len(prompt))[0][0]
+    routing.routed("r1", first, keys, len(prompt), max_tokens=8)
+    assert routing.pending[first] == len(prompt) + 8  # nothing cached: all of it
+    assert routing.rank(["a", "b"], keys, len(prompt))[0] == [first]  # expected there
     routing.completed("r1", first)
-    assert routing.in_flight[first] == 0
+    assert routing.in_flight[first] == 0 and routing.pending[first] == 0
     assert routing.hits(["a", "b"], keys) == {"a": 0, "b": 0}  # no events came: nothing
 
 
-def test_a_much_busier_replica_loses_the_request():
+def test_a_cached_prefix_loses_only_to_a_backlog_longer_than_its_prefill():
     routing = PrefixRouting(BS, imbalance=3)
     system = list(range(100, 120))
     _cache(routing, "a", [*system, 1])
-    keys = _keys([*system, 9, 9])
-    routing.in_flight.update({"a": 2, "b": 0})
-    assert routing.rank(["a", "b"], keys)[0] == ["a"]  # 2 more: within the threshold
-    routing.in_flight["a"] = 3
-    assert routing.rank(["a", "b"], keys) == [["b"], ["a"]]
+    prompt = [*system, 9, 9]  # 22 tokens; 20 of them cached on a
+    keys = _keys(prompt)
+    routing.pending.update({"a": 39, "b": 0})  # a's backlog + 2 x 2 uncached < 2 x 22 on b
+    assert routing.rank(["a", "b"], keys, len(prompt))[0] == ["a"]
+    routing.pending["a"] = 41  # 41 + 4 > 44: b is cheaper, though it must compute it all
+    assert routing.rank(["a", "b"], keys, len(prompt))[0] == ["b"]
+    routing.pending["a"] = 0
+    routing.in_flight.update({"a": 3, "b": 0})  # 3 more in flight: passed over
+    assert routing.rank(["a", "b"], keys, len(prompt)) == [["b"], ["a"]]
     routing.drop("a")
     assert routing.hits(["a", "b"], keys) == {"a": 0, "b": 0}
     with pytest.raises(ValueError):

@@ -62,9 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", choices=sorted(ROUTERS), default="kvpool",
                    help="how requests are sent to replicas (default kvpool: by cached "
                         "prefix, balanced against load)")  # fmt: skip
-    p.add_argument("--imbalance", type=int, default=16, metavar="REQUESTS",
+    p.add_argument("--imbalance", type=int, default=32, metavar="REQUESTS",
                    help="kvpool router: a replica with this many more requests in flight "
-                        "than the least loaded one loses a request to it (default 16)")  # fmt: skip
+                        "than the least loaded one is passed over, whatever it caches "
+                        "(default 32); below that, the least work wins")  # fmt: skip
 
 
 def serve_argv(args: argparse.Namespace) -> list[str]:

@@ -111,7 +111,9 @@ class Ingress:
         tenant = self.keys.tenant(http.header("authorization"))
         salt = tenant.salt if tenant is not None else None
         keys = prefix_keys(ids, self.block_size, salt)
-        return RoutedRequest(http, keys, len(ids), self.prompts.decode(ids))
+        routed = RoutedRequest(http, keys, len(ids), self.prompts.decode(ids))
+        routed.max_tokens = self.prompts.max_tokens(http.body)
+        return routed
 
     async def _start(self, routed: RoutedRequest) -> tuple[ResponseStart, Any]:
         """Send to a replica; its ``ResponseStart`` and the stream of the rest."""

@@ -47,6 +47,21 @@ class PromptReader:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special=False)
 
+    @staticmethod
+    def max_tokens(body: bytes, default: int = 128) -> int:
+        """The tokens a request may generate (``max_tokens``, ``max_completion_tokens`` or
+        Ollama's ``num_predict``); ``default`` where it does not say or is unbounded."""
+        try:
+            data = json.loads(body)
+            options = data.get("options") or {}
+            for value in (data.get("max_completion_tokens"), data.get("max_tokens"),
+                          options.get("num_predict")):  # fmt: skip
+                if isinstance(value, int) and value >= 0:
+                    return value
+        except (ValueError, AttributeError):
+            pass
+        return default
+
     def prompt_ids(self, path: str, body: bytes) -> list[int] | None:
         """The prompt's token ids for a generation route, None for anything else (or a
         body this cannot read)."""

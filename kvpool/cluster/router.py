@@ -73,7 +73,7 @@ class KVPrefixRouter(ReplicaDirectory, RequestRouter):
     def initialize_state(
         self,
         block_size: int = 16,
-        imbalance: int = 16,
+        imbalance: int = 32,
         log_name: str = "",
         log_namespace: str = "",
         **_: Any,
@@ -122,7 +122,8 @@ class KVPrefixRouter(ReplicaDirectory, RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         request = routed_request(pending_request)
         keys = request.keys if request is not None else []
-        ranks = self.routing.rank(list(by_id), keys)
+        tokens = request.prompt_tokens if request is not None and request.keys else None
+        ranks = self.routing.rank(list(by_id), keys, tokens)
         return [[by_id[r] for r in rank] for rank in ranks]
 
     def on_request_routed(
@@ -131,7 +132,11 @@ class KVPrefixRouter(ReplicaDirectory, RequestRouter):
         request = routed_request(pending_request)
         rid = pending_request.metadata.internal_request_id
         self._by_request[rid] = replica_id.unique_id
-        self.routing.routed(rid, replica_id.unique_id, request.keys if request else [])
+        if request is None:
+            self.routing.routed(rid, replica_id.unique_id, [])
+        else:
+            self.routing.routed(rid, replica_id.unique_id, request.keys, request.prompt_tokens,
+                                request.max_tokens)  # fmt: skip
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._by_request.pop(internal_request_id, None)

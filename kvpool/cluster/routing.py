@@ -1,6 +1,8 @@
-"""Where a request goes: the replica that holds the longest cached prefix of its tokens,
-unless that replica is much busier than the least loaded one. Plain Python: the Ray
-Serve ``RequestRouter`` (``kvpool.cluster.router``) only adapts it.
+"""Where a request goes: the replica where it costs the least work to serve, counting
+the prompt tokens it would have to compute there (all but its cached prefix) and the
+work already sent there; a replica with many more requests in flight than the least
+loaded one is passed over whatever it caches. Plain Python: the Ray Serve
+``RequestRouter`` (``kvpool.cluster.router``) only adapts it.
 
 What it knows:
 
@@ -10,13 +12,17 @@ What it knows:
   in no event until its prefill ran, so without these the second request of a new
   system prompt, sent a moment after the first, would not know where the first went.
   Each expectation lasts until its request completes (or ``expect_s`` at most).
-- ``in_flight``: requests this router sent to each replica and not yet completed (the
-  load; a replica's own queue length and free blocks come with its events).
+- ``in_flight`` and ``pending``: requests this router sent to each replica and not yet
+  completed, and their work in tokens (the prompt tokens each had to compute there plus
+  the tokens it may generate).
 
-The choice (``rank``): among replicas whose load is within ``imbalance`` requests of the
-least loaded, the one with the most leading prefix blocks (cached or expected); ties go
-to the less loaded, then to the one with more free blocks. The rest follow, least
-loaded first, as Ray Serve's fallback ranks.
+The choice (``rank``): among replicas with fewer than ``imbalance`` requests in flight
+more than the least loaded, the lowest ``pending + 2 x uncached prompt tokens``; ties go
+to the replica with more free blocks. Uncached tokens count twice: once as prefill work,
+once as the cache space a second copy of a prefix takes (evicting others' blocks, which
+later requests then recompute). So a request whose prefix one replica caches goes
+elsewhere only when that replica's backlog exceeds the other's by more than twice the
+prefill it would save. The rest follow, cheapest first, as Ray Serve's fallback ranks.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from typing import Any
 
 from kvpool.cluster.asgi_call import HTTPRequest
 from kvpool.cluster.event_log import IndexReplay
+
+UNCACHED_WEIGHT = 2  # an uncached prompt token: its prefill, and the space a copy takes
 
 # The routers made in this process (``kvpool.cluster.router``), by deployment name.
 ROUTERS: dict[str, Any] = {}
@@ -46,6 +54,7 @@ class RoutedRequest:
     prompt_tokens: int = 0
     prompt: str = ""
     replica: str | None = None
+    max_tokens: int = 0  # what it may generate (its work, with the uncached prompt)
 
 
 @dataclass
@@ -56,7 +65,7 @@ class _Expectation:
 
 
 class PrefixRouting:
-    def __init__(self, block_size: int, imbalance: int = 16, expect_s: float = 60.0) -> None:
+    def __init__(self, block_size: int, imbalance: int = 32, expect_s: float = 60.0) -> None:
         if imbalance < 1:
             raise ValueError("imbalance must be at least 1 request")
         self.block_size = block_size
@@ -64,13 +73,26 @@ class PrefixRouting:
         self.expect_s = expect_s
         self.replay = IndexReplay(block_size)
         self.in_flight: dict[str, int] = {}
+        self.pending: dict[str, int] = {}  # replica -> tokens of work sent, not completed
         self._expected: dict[str, _Expectation] = {}  # request id -> its expectation
+        self._work: dict[str, tuple[str, int]] = {}  # request id -> (replica, its work)
         self.routed_by_prefix = 0  # decisions a cached or expected prefix made
         self.routed_by_load = 0
 
     # -- what happens -----------------------------------------------------------------
-    def routed(self, request_id: str, replica: str, keys: Sequence[int]) -> None:
+    def routed(
+        self,
+        request_id: str,
+        replica: str,
+        keys: Sequence[int],
+        prompt_tokens: int = 0,
+        max_tokens: int = 0,
+    ) -> None:
+        uncached = max(0, prompt_tokens - self.hits([replica], keys)[replica] * self.block_size)
+        work = uncached + max_tokens
         self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
+        self.pending[replica] = self.pending.get(replica, 0) + work
+        self._work[request_id] = (replica, work)
         if keys:
             until = time.monotonic() + self.expect_s
             self._expected[request_id] = _Expectation(replica, frozenset(keys), until)
@@ -78,13 +100,19 @@ class PrefixRouting:
     def completed(self, request_id: str, replica: str) -> None:
         if self.in_flight.get(replica, 0) > 0:
             self.in_flight[replica] -= 1
+        _, work = self._work.pop(request_id, (replica, 0))
+        if replica in self.pending:
+            self.pending[replica] = max(0, self.pending[replica] - work)
         self._expected.pop(request_id, None)
 
     def drop(self, replica: str) -> None:
         """The replica is gone: nothing is expected of it, nothing is in flight there."""
         self.in_flight.pop(replica, None)
+        self.pending.pop(replica, None)
         for rid in [r for r, e in self._expected.items() if e.replica == replica]:
             del self._expected[rid]
+        for rid in [r for r, (where, _) in self._work.items() if where == replica]:
+            del self._work[rid]
         self.replay.index.drop_replica(replica)
 
     # -- the choice ------------------------------------------------------------------
@@ -110,20 +138,30 @@ class PrefixRouting:
             out[replica] = n
         return out
 
-    def rank(self, replicas: Sequence[str], keys: Sequence[int]) -> list[list[str]]:
-        """Ranks of the candidate replicas, the preferred one alone in the first."""
+    def rank(
+        self, replicas: Sequence[str], keys: Sequence[int], prompt_tokens: int | None = None
+    ) -> list[list[str]]:
+        """Ranks of the candidate replicas, the preferred one alone in the first.
+        ``prompt_tokens``: the prompt's length (default: its full blocks, plus one)."""
         if not replicas:
             return []
+        if prompt_tokens is None:
+            prompt_tokens = len(keys) * self.block_size + 1
         load = {r: self.in_flight.get(r, 0) for r in replicas}
         least = min(load.values())
         hits = self.hits(replicas, keys)
+        cost = {
+            r: self.pending.get(r, 0)
+            + UNCACHED_WEIGHT * max(0, prompt_tokens - hits[r] * self.block_size)
+            for r in replicas
+        }
         loads = self.replay.loads
         free = {r: loads[r].free_blocks if r in loads else 0 for r in replicas}
         eligible = [r for r in replicas if load[r] - least < self.imbalance]
-        best = max(eligible, key=lambda r: (hits[r], -load[r], free[r]))
+        best = min(eligible, key=lambda r: (cost[r], -free[r], load[r]))
         if hits[best] > 0:
             self.routed_by_prefix += 1
         else:
             self.routed_by_load += 1
-        rest = sorted((r for r in replicas if r != best), key=lambda r: (load[r], -hits[r]))
+        rest = sorted((r for r in replicas if r != best), key=lambda r: (cost[r], load[r]))
         return [[best], rest] if rest else [[best]]
