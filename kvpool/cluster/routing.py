@@ -8,10 +8,13 @@ What it knows:
 
 - ``replay``: the cluster's index of cached blocks, copied from the replicas' KV events
   (``kvpool.cluster.event_log``): exact, a few milliseconds behind.
-- ``expected``: the prefixes of requests routed but not finished. A request's blocks are
-  in no event until its prefill ran, so without these the second request of a new
-  system prompt, sent a moment after the first, would not know where the first went.
-  Each expectation lasts until its request completes (or ``expect_s`` at most).
+- ``expected``: the prefixes of requests routed whose blocks no event has shown yet. A
+  request's blocks are in no event until its prefill ran (over a minute under overload),
+  so without these the requests of a new system prompt sent meanwhile would not know
+  where the first went. An expectation ends when the replica's events show all its
+  blocks (the index then speaks for it), when the replica is dropped, or after
+  ``expect_s``; not when its request completes (Ray Serve may report a stream complete
+  before its prefill ran).
 - ``in_flight`` and ``pending``: requests this router sent to each replica and not yet
   completed, and their work in tokens (the prompt tokens each had to compute there plus
   the tokens it may generate).
@@ -65,7 +68,7 @@ class _Expectation:
 
 
 class PrefixRouting:
-    def __init__(self, block_size: int, imbalance: int = 32, expect_s: float = 60.0) -> None:
+    def __init__(self, block_size: int, imbalance: int = 32, expect_s: float = 300.0) -> None:
         if imbalance < 1:
             raise ValueError("imbalance must be at least 1 request")
         self.block_size = block_size
@@ -103,7 +106,6 @@ class PrefixRouting:
         _, work = self._work.pop(request_id, (replica, 0))
         if replica in self.pending:
             self.pending[replica] = max(0, self.pending[replica] - work)
-        self._expected.pop(request_id, None)
 
     def drop(self, replica: str) -> None:
         """The replica is gone: nothing is expected of it, nothing is in flight there."""
@@ -119,13 +121,14 @@ class PrefixRouting:
     def hits(self, replicas: Sequence[str], keys: Sequence[int]) -> dict[str, int]:
         """Per replica, the leading blocks of ``keys`` it holds or is about to hold."""
         now = time.monotonic()
+        cached = self.replay.index
         expected: dict[str, set[int]] = {}
         for rid, e in list(self._expected.items()):
-            if e.until < now:
+            held = cached.held_by(e.replica)
+            if e.until < now or all(k in held for k in e.keys):  # expired, or confirmed
                 del self._expected[rid]
             else:
                 expected.setdefault(e.replica, set()).update(e.keys)
-        cached = self.replay.index
         out: dict[str, int] = {}
         for replica in replicas:
             held = cached.held_by(replica)
