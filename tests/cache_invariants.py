@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 
 from kvpool.cache import KVCacheManager
+from kvpool.cache.block_map import code_of, count_states
 
 
 def check_invariants(manager: KVCacheManager) -> None:
@@ -49,6 +50,12 @@ def check_invariants(manager: KVCacheManager) -> None:
     assert stats.waste_slots_reserved == bs * sum(1 for b in used if not b.token_ids)
     assert stats.waste_slots == len(used) * bs - stats.filled_slots
 
+    # The block map, kept on transitions, equals one computed from the blocks.
+    assert pool.states == bytearray(code_of(b) for b in blocks), "the block map drifted"
+    counts = count_states(pool.states)
+    assert counts["free"] == len(free) and counts["cached"] == len(cached)
+    assert counts["pinned"] == stats.pinned_blocks
+
     # The index: only full, hashed blocks, each findable by its own content.
     indexed = [b for b in blocks if b.indexed]
     assert len(pool.index) == len(indexed)
@@ -69,4 +76,6 @@ def check_invariants(manager: KVCacheManager) -> None:
             start = i * bs
             expect = max(0, min(bs, seq.num_tokens - start))
             assert len(block.token_ids) == expect, f"block {i} of a sequence holds wrong count"
+            if block.block_hash is not None:
+                assert block.position == i, f"block {i} says position {block.position}"
         assert seq.num_hashed_blocks <= seq.num_computed // bs

@@ -5,9 +5,9 @@ routing policy, and a request through an ASGI app in process.
   it likes (and one that fell behind the log's window: it gets a snapshot) holds exactly
   each replica's cached block set; a forgotten replica holds nothing, and a batch it
   still had in flight does not bring it back.
-- Policy: the least work wins (uncached prompt tokens plus the backlog sent there); a
-  request's prefix counts as soon as it is routed (before any event); a replica with
-  many more requests in flight is passed over.
+- Policy: the longest cached prefix wins whatever the backlogs (a hit of one block
+  is a tie, which the least work sent wins); a request's prefix counts as soon as it is
+  routed (before any event); a replica with many more requests in flight is passed over.
 - ASGI: streamed parts arrive in order; closing early tells the app the client left; an
   app that fails before answering gives a 500.
 """
@@ -148,16 +148,18 @@ def test_a_routed_prefix_counts_until_its_events_confirm_it():
     assert routing.hits(["a", "b"], keys) == {"a": 0, "b": 0}
 
 
-def test_a_cached_prefix_loses_only_to_a_backlog_longer_than_its_prefill():
+def test_a_cached_prefix_sticks_whatever_the_backlog_and_a_short_one_ties():
     routing = PrefixRouting(BS, imbalance=3)
     system = list(range(100, 120))
     _cache(routing, "a", [*system, 1])
     prompt = [*system, 9, 9]  # 22 tokens; 20 of them cached on a
     keys = _keys(prompt)
-    routing.pending.update({"a": 39, "b": 0})  # a's backlog + 2 x 2 uncached < 2 x 22 on b
+    routing.pending.update({"a": 10_000, "b": 0})  # a's backlog: still a (b must compute 22)
     assert routing.rank(["a", "b"], keys, len(prompt))[0] == ["a"]
-    routing.pending["a"] = 41  # 41 + 4 > 44: b is cheaper, though it must compute it all
-    assert routing.rank(["a", "b"], keys, len(prompt))[0] == ["b"]
+    header = [*system[:4], 7, 7, 7, 7, 7, 7]  # one block cached on a: a tie, load decides
+    assert routing.rank(["a", "b"], _keys(header), len(header))[0] == ["b"]
+    routing.pending["a"] = 0
+    assert routing.rank(["a", "b"], _keys(header), len(header))[0] == ["a"]  # more free? equal
     routing.pending["a"] = 0
     routing.in_flight.update({"a": 3, "b": 0})  # 3 more in flight: passed over
     assert routing.rank(["a", "b"], keys, len(prompt)) == [["b"], ["a"]]
@@ -217,3 +219,25 @@ def test_an_app_that_fails_before_answering_gives_a_500():
 
     start, body = asyncio.run(scenario())
     assert start.status == 500 and b"boom" in body
+
+
+def test_a_burst_chosen_before_any_report_spreads_and_reports_do_not_count_twice():
+    routing = PrefixRouting(BS, imbalance=32)
+    prompts = [[p * 100 + t for t in range(20)] for p in range(8)]  # 8 distinct, 5 blocks
+    placed = []
+    for i, prompt in enumerate(prompts):
+        best = routing.rank(["a", "b"], _keys(prompt), len(prompt))[0][0]
+        routing.chosen(f"r{i}", best, _keys(prompt), len(prompt), 16)
+        placed.append(best)
+    assert placed.count("a") == placed.count("b") == 4
+    again = routing.rank(["a", "b"], _keys(prompts[0]), len(prompts[0]))[0][0]
+    assert again == placed[0]  # a later request of a prompt follows its first
+    before = dict(routing.in_flight), dict(routing.pending)
+    for i, prompt in enumerate(prompts):  # Ray Serve reports them where they were chosen
+        routing.routed(f"r{i}", placed[i], _keys(prompt), len(prompt), 16)
+    assert (routing.in_flight, routing.pending) == before
+    routing.routed("r0", "b" if placed[0] == "a" else "a", _keys(prompts[0]), 20, 16)
+    assert sum(routing.in_flight.values()) == 8  # moved, not added
+    for i in range(8):
+        routing.completed(f"r{i}", "ignored")
+    assert sum(routing.in_flight.values()) == sum(routing.pending.values()) == 0

@@ -40,6 +40,7 @@ class Block:
         "salt",
         "parent_hash",
         "digest",
+        "position",
         "indexed",
         "next_same_hash",
         "prev_free",
@@ -57,6 +58,7 @@ class Block:
         self.salt = b""
         self.parent_hash: BlockHash | None = None  # the previous block's key (KV events)
         self.digest: bytes | None = None  # the prefix digest, where a second tier is kept
+        self.position = -1  # a hashed block's place in its chain (0: a prompt's first)
         self.indexed = False
         self.next_same_hash: Block | None = None  # collision chain inside the prefix index
         self.prev_free: Block | None = None
@@ -71,6 +73,7 @@ class Block:
         self.salt = b""
         self.parent_hash = None
         self.digest = None
+        self.position = -1
 
     def __repr__(self) -> str:
         return (

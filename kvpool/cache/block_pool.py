@@ -11,7 +11,8 @@ Invariants:
   no content). ``num_used + num_cached + num_free == num_blocks``.
 - cached and free blocks are exactly the blocks of the free queue; in-use blocks are never
   in it, so eviction can only ever touch unreferenced (and therefore unpinned) blocks.
-- the counters below always equal what a full scan of the blocks would give.
+- the counters below always equal what a full scan of the blocks would give, and so does
+  ``states`` (the block map, one byte a block: ``block_map.code_of``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvpool.cache.block import Block, FreeBlockQueue
+from kvpool.cache.block_map import code_of
 from kvpool.cache.events import BlockPinned, BlockUnpinned
 from kvpool.cache.hashing import BlockHash
 from kvpool.cache.prefix_index import PrefixIndex
@@ -44,6 +46,7 @@ class BlockPool:
         self.filled_slots_used = 0  # tokens held by in-use blocks
         self.num_empty_used = 0  # in-use blocks holding no token yet (reserved ahead)
         self.evictions = 0
+        self.states = bytearray(num_blocks)  # block_map codes, kept on every transition
         # Called with each cached block take_new evicts, before its content is forgotten
         # (the manager hands it to a second tier).
         self.on_evict: Callable[[Block], None] | None = None
@@ -70,6 +73,7 @@ class BlockPool:
             block.ref_count = 1
             self.num_used += 1
             self.num_empty_used += 1
+            self.states[block.block_id] = 1
             taken.append(block)
         return taken
 
@@ -86,6 +90,7 @@ class BlockPool:
         elif block.ref_count == 1:
             self.num_shared += 1
         block.ref_count += 1
+        self.states[block.block_id] = code_of(block)
 
     def release(self, block: Block) -> None:
         """One holder less. At zero the block joins the free queue: as cached content at
@@ -95,6 +100,7 @@ class BlockPool:
         if block.ref_count == 1:
             self.num_shared -= 1
         if block.ref_count > 0:
+            self.states[block.block_id] = code_of(block)
             return
         self.num_used -= 1
         self.filled_slots_used -= len(block.token_ids)
@@ -110,6 +116,7 @@ class BlockPool:
         else:
             block.forget_content()
             self.free_queue.push_head(block)
+        self.states[block.block_id] = code_of(block)
 
     def _has_twin(self, block: Block) -> bool:
         assert block.block_hash is not None
@@ -135,11 +142,14 @@ class BlockPool:
         parent_content_id: int,
         salt: bytes,
         parent_key: BlockHash | None = None,
+        position: int = -1,
     ) -> None:
         """Give a full, computed block its key and content id and index it, unless the
-        same content is indexed already (then it shares that content id)."""
+        same content is indexed already (then it shares that content id). ``position``:
+        its place in the chain (shown by the block map, used by nothing else)."""
         assert len(block.token_ids) == self.block_size and block.block_hash is None
         block.block_hash = key
+        block.position = position
         block.parent_hash = parent_key
         block.parent_content_id = parent_content_id
         block.salt = salt
@@ -149,6 +159,7 @@ class BlockPool:
         else:
             block.content_id = self.index.new_content_id()
             self.index.insert(block)
+            self.states[block.block_id] = code_of(block)
 
     def lookup(
         self, key: BlockHash, parent_content_id: int, salt: bytes, token_ids: list[int]
@@ -163,6 +174,7 @@ class BlockPool:
             if self.index.events is not None and block.block_hash is not None:
                 self.index.events.append(BlockPinned(block.block_hash))
         block.pin_count += 1
+        self.states[block.block_id] = code_of(block)
 
     def unpin(self, block: Block) -> None:
         assert block.pin_count > 0
@@ -180,6 +192,7 @@ class BlockPool:
             if block.indexed:
                 self.index.remove(block)
                 block.forget_content()
+                self.states[block.block_id] = 0
                 dropped += 1
         self.num_cached = 0
         return dropped

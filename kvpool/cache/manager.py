@@ -318,12 +318,12 @@ class KVCacheManager:
                 self.pool.write_tokens(block, chunk)
         # Blocks found in the tier: cached at once, their bytes loaded before the next step.
         parent = hits[-1] if hits else None
-        for block, (chunk, key, digest, block_salt, payload) in zip(
-            new_blocks, tiered, strict=False
+        for position, (block, (chunk, key, digest, block_salt, payload)) in enumerate(
+            zip(new_blocks, tiered, strict=False), start=len(hits)
         ):
             parent_cid = parent.content_id if parent is not None else -1
             parent_key = parent.block_hash if parent is not None else None
-            self.pool.cache_full_block(block, key, parent_cid, block_salt, parent_key)
+            self.pool.cache_full_block(block, key, parent_cid, block_salt, parent_key, position)
             block.digest = digest
             assert payload is not None
             self._tier_events.append(
@@ -585,7 +585,7 @@ class KVCacheManager:
             else:
                 key = self._hash(parent_key, seq.salt_of(i), block.token_ids)
             parent_cid = parent.content_id if parent is not None else -1
-            self.pool.cache_full_block(block, key, parent_cid, seq.salt_of(i), parent_key)
+            self.pool.cache_full_block(block, key, parent_cid, seq.salt_of(i), parent_key, i)
             if self.tier is not None:
                 parent_digest = parent.digest if parent is not None else ROOT_DIGEST
                 if parent_digest is not None:

@@ -341,4 +341,3 @@ async def dispatch(ingress: Ingress, request: Request) -> Response:
     if route == "/api/cluster" and request.method == "GET":
         return await ingress.cluster(http, blocks)
     return await ingress.forward(http)
-

@@ -124,6 +124,12 @@ class KVPrefixRouter(ReplicaDirectory, RequestRouter):
         keys = request.keys if request is not None else []
         tokens = request.prompt_tokens if request is not None and request.keys else None
         ranks = self.routing.rank(list(by_id), keys, tokens)
+        if ranks and pending_request is not None:  # counted now: see routing's docstring
+            self.routing.chosen(
+                pending_request.metadata.internal_request_id, ranks[0][0], keys,
+                request.prompt_tokens if request is not None else 0,
+                request.max_tokens if request is not None else 0,
+            )  # fmt: skip
         return [[by_id[r] for r in rank] for rank in ranks]
 
     def on_request_routed(

@@ -1,8 +1,7 @@
-"""Where a request goes: the replica where it costs the least work to serve, counting
-the prompt tokens it would have to compute there (all but its cached prefix) and the
-work already sent there; a replica with many more requests in flight than the least
-loaded one is passed over whatever it caches. Plain Python: the Ray Serve
-``RequestRouter`` (``kvpool.cluster.router``) only adapts it.
+"""Where a request goes: the replica that caches (or is about to cache) the most of its
+prompt, unless that replica has many more requests in flight than the least loaded one;
+between replicas that cache about as much, the one with the least work sent. Plain
+Python: the Ray Serve ``RequestRouter`` (``kvpool.cluster.router``) only adapts it.
 
 What it knows:
 
@@ -17,15 +16,24 @@ What it knows:
   before its prefill ran).
 - ``in_flight`` and ``pending``: requests this router sent to each replica and not yet
   completed, and their work in tokens (the prompt tokens each had to compute there plus
-  the tokens it may generate).
+  the tokens it may generate). A choice counts at once (``chosen``), before Ray Serve
+  reports where the request went (``routed``, which moves it if Ray Serve sent it
+  elsewhere): the requests of a burst are chosen before any of them is reported, and
+  without this they would all see the same loads and go to the same replica (a cold
+  burst of 8 system prompts then put 6 of them on one replica). A choice never reported
+  is forgotten after ``UNREPORTED_S``.
 
 The choice (``rank``): among replicas with fewer than ``imbalance`` requests in flight
-more than the least loaded, the lowest ``pending + 2 x uncached prompt tokens``; ties go
-to the replica with more free blocks. Uncached tokens count twice: once as prefill work,
-once as the cache space a second copy of a prefix takes (evicting others' blocks, which
-later requests then recompute). So a request whose prefix one replica caches goes
-elsewhere only when that replica's backlog exceeds the other's by more than twice the
-prefill it would save. The rest follow, cheapest first, as Ray Serve's fallback ranks.
+more than the least loaded, those whose uncached part of the prompt is within
+``TIE_BLOCKS`` blocks of the smallest; among those the least ``pending`` work, then the
+most free blocks. A cached prefix is sticky: under overload every replica has a backlog
+and the backlogs swing by more than any prefill a hit saves, so weighing the two (the
+policy before this one) sent a prompt's requests to the replica it had just left,
+which computed the prompt again and evicted another prompt's blocks for it: with 8
+system prompts in two pools that each hold 4, both replicas thrashed (55% of prompt
+tokens cached against 93% for a router that sticks). A hit of one block (a chat
+template's header) does not make a replica preferred: those replicas tie and load
+decides. The rest follow, least uncached first, as Ray Serve's fallback ranks.
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ from typing import Any
 from kvpool.cluster.asgi_call import HTTPRequest
 from kvpool.cluster.event_log import IndexReplay
 
-UNCACHED_WEIGHT = 2  # an uncached prompt token: its prefill, and the space a copy takes
+UNREPORTED_S = 30.0  # a choice Ray Serve never reported (the request was cancelled)
+TIE_BLOCKS = 1  # replicas whose uncached prompts differ by at most this many blocks tie
 
 # The routers made in this process (``kvpool.cluster.router``), by deployment name.
 ROUTERS: dict[str, Any] = {}
@@ -79,6 +88,7 @@ class PrefixRouting:
         self.pending: dict[str, int] = {}  # replica -> tokens of work sent, not completed
         self._expected: dict[str, _Expectation] = {}  # request id -> its expectation
         self._work: dict[str, tuple[str, int]] = {}  # request id -> (replica, its work)
+        self._unreported: dict[str, float] = {}  # request id -> when it was chosen
         self.routed_by_prefix = 0  # decisions a cached or expected prefix made
         self.routed_by_load = 0
 
@@ -91,6 +101,28 @@ class PrefixRouting:
         prompt_tokens: int = 0,
         max_tokens: int = 0,
     ) -> None:
+        """Ray Serve sent the request to ``replica`` (counted once, whatever ``chosen``
+        counted for it before)."""
+        self._unreported.pop(request_id, None)
+        self._record(request_id, replica, keys, prompt_tokens, max_tokens)
+
+    def chosen(
+        self,
+        request_id: str,
+        replica: str,
+        keys: Sequence[int],
+        prompt_tokens: int = 0,
+        max_tokens: int = 0,
+    ) -> None:
+        """``rank`` chose ``replica`` for the request: count it there now."""
+        self._unreported[request_id] = time.monotonic()
+        self._record(request_id, replica, keys, prompt_tokens, max_tokens)
+
+    def _record(
+        self, request_id: str, replica: str, keys: Sequence[int], prompt_tokens: int,
+        max_tokens: int,
+    ) -> None:  # fmt: skip
+        self._forget(request_id)
         uncached = max(0, prompt_tokens - self.hits([replica], keys)[replica] * self.block_size)
         work = uncached + max_tokens
         self.in_flight[replica] = self.in_flight.get(replica, 0) + 1
@@ -101,11 +133,25 @@ class PrefixRouting:
             self._expected[request_id] = _Expectation(replica, frozenset(keys), until)
 
     def completed(self, request_id: str, replica: str) -> None:
+        self._unreported.pop(request_id, None)
+        self._forget(request_id, keep_expectation=True)
+
+    def _forget(self, request_id: str, keep_expectation: bool = False) -> None:
+        """Undo what a request counted for in flight and pending (its expectation too,
+        unless kept: it lasts until events confirm it)."""
+        if not keep_expectation:
+            self._expected.pop(request_id, None)
+        replica, work = self._work.pop(request_id, ("", 0))
         if self.in_flight.get(replica, 0) > 0:
             self.in_flight[replica] -= 1
-        _, work = self._work.pop(request_id, (replica, 0))
         if replica in self.pending:
             self.pending[replica] = max(0, self.pending[replica] - work)
+
+    def _expire_unreported(self) -> None:
+        old = time.monotonic() - UNREPORTED_S
+        for rid in [r for r, t in self._unreported.items() if t < old]:
+            del self._unreported[rid]
+            self._forget(rid)
 
     def drop(self, replica: str) -> None:
         """The replica is gone: nothing is expected of it, nothing is in flight there."""
@@ -148,23 +194,25 @@ class PrefixRouting:
         ``prompt_tokens``: the prompt's length (default: its full blocks, plus one)."""
         if not replicas:
             return []
+        self._expire_unreported()
         if prompt_tokens is None:
             prompt_tokens = len(keys) * self.block_size + 1
         load = {r: self.in_flight.get(r, 0) for r in replicas}
         least = min(load.values())
         hits = self.hits(replicas, keys)
-        cost = {
-            r: self.pending.get(r, 0)
-            + UNCACHED_WEIGHT * max(0, prompt_tokens - hits[r] * self.block_size)
-            for r in replicas
-        }
+        uncached = {r: max(0, prompt_tokens - hits[r] * self.block_size) for r in replicas}
+        pending = {r: self.pending.get(r, 0) for r in replicas}
         loads = self.replay.loads
         free = {r: loads[r].free_blocks if r in loads else 0 for r in replicas}
         eligible = [r for r in replicas if load[r] - least < self.imbalance]
-        best = min(eligible, key=lambda r: (cost[r], -free[r], load[r]))
-        if hits[best] > 0:
+        fewest = min(uncached[r] for r in eligible)
+        tied = [r for r in eligible if uncached[r] - fewest <= TIE_BLOCKS * self.block_size]
+        best = min(tied, key=lambda r: (pending[r], -free[r], load[r]))
+        if len(tied) < len(eligible):
             self.routed_by_prefix += 1
         else:
             self.routed_by_load += 1
-        rest = sorted((r for r in replicas if r != best), key=lambda r: (cost[r], load[r]))
+        rest = sorted(
+            (r for r in replicas if r != best), key=lambda r: (uncached[r], pending[r], load[r])
+        )
         return [[best], rest] if rest else [[best]]

@@ -27,6 +27,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -43,6 +44,10 @@ T = TypeVar("T")
 __all__ = ["AsyncLLM", "EngineSnapshot", "RequestStream", "TenantSnapshot"]
 
 _STOP = object()
+
+
+def _nothing() -> None:
+    """A command that only wakes the engine thread (it publishes a snapshot after it)."""
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
@@ -232,6 +237,18 @@ class AsyncLLM:
         """The chain hashes of every block a prefix lookup can find, taken between steps
         (KV events up to that moment have been handed to the sink)."""
         return await self._call(self.engine.cached_block_hashes)
+
+    def watch_pool(self) -> None:
+        """Ask for the block map and requests in the snapshots of the next seconds; an
+        idle engine thread is woken to publish one (a watcher polls about once a second)."""
+        self.engine.watch_pool()
+        view = self.snapshot.view
+        if view is None or time.time() - view.taken_at > 0.5:
+            self._commands.put(_nothing)
+
+    async def describe_block(self, block_id: int) -> dict[str, object]:
+        """One block of the pool as it is between two steps."""
+        return await self._call(lambda: self.engine.describe_block(block_id))
 
     async def stats(self) -> EngineSnapshot:
         """A fresh snapshot, taken on the engine thread between steps."""

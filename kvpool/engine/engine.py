@@ -32,6 +32,7 @@ from kvpool.engine.errors import (
 )
 from kvpool.engine.kv_tier import apply_tier_events, open_tier
 from kvpool.engine.outputs import CompletionOutput, Completions, OutputProcessor, RequestOutput
+from kvpool.engine.pool_view import PoolWatch, describe_block
 from kvpool.engine.request import PinOrder, Request, Status
 from kvpool.engine.sampling import (
     Sampler,
@@ -148,6 +149,7 @@ class Engine:
         self._pins_by_salt: dict[str | None, tuple[int, int]] = {}  # pins, pinned blocks
         self._ids = itertools.count()
         self._steps = 0
+        self._watch = PoolWatch()  # block map views in snapshots, while someone watches
         if self._tier is not None:  # the pins of the last run, pinned again (from the tier)
             for pin in self._tier.load_pins():
                 try:
@@ -682,7 +684,17 @@ class Engine:
             pins=self._pins,
             kv_cache_dtype=self.kv_cache_dtype,
             tier=self.tier_stats(),
+            view=self._watch.refresh(manager, scheduler.running, scheduler.waiting),
         )
+
+    def watch_pool(self) -> None:
+        """Put the block map and the requests in snapshots for the next few seconds
+        (``PoolWatch``). Safe from any thread."""
+        self._watch.watch()
+
+    def describe_block(self, block_id: int) -> dict[str, object]:
+        """One block as it is now (``pool_view.describe_block``); between steps only."""
+        return describe_block(self._manager, self._scheduler.running, block_id)
 
     def _new_sample(self, request: Request, index: int) -> Request:
         seed = request.params.seed

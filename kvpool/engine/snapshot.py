@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvpool.cache import CacheStats, PinInfo
 from kvpool.cache.tier import TierStats
+from kvpool.engine.pool_view import PoolView
 
 
 @dataclass(frozen=True)
@@ -38,3 +39,4 @@ class EngineSnapshot:
     pins: tuple[PinInfo, ...] = ()
     kv_cache_dtype: str = ""  # the blocks' dtype ("bf16", "int8", ...), "auto" resolved
     tier: TierStats | None = None  # the second KV tier, where there is one
+    view: PoolView | None = None  # the block map and requests, while someone watches

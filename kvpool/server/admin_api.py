@@ -62,7 +62,7 @@ def _rate(hits: int, total: int) -> float:
     return hits / total if total else 0.0
 
 
-def _capacity(snap: EngineSnapshot, state: ServerState) -> dict[str, Any]:
+def capacity(snap: EngineSnapshot, state: ServerState) -> dict[str, Any]:
     c = snap.cache
     return {
         "model": state.model.name,
@@ -77,7 +77,7 @@ def _capacity(snap: EngineSnapshot, state: ServerState) -> dict[str, Any]:
     }
 
 
-def _tenant_view(snap: EngineSnapshot, tenant: Tenant) -> dict[str, Any]:
+def tenant_view(snap: EngineSnapshot, tenant: Tenant) -> dict[str, Any]:
     mine = snap.tenants.get(tenant.salt)
     counters = asdict(mine) if mine is not None else {}
     return {
@@ -103,7 +103,7 @@ async def kvcache(http: Request, state: State, blocks: bool = False) -> Any:
     snap = state.model.snapshot  # never waits for a step
     tenant = tenant_of(http)
     if not tenant.admin:
-        return {**_capacity(snap, state), **_tenant_view(snap, tenant)}
+        return {**capacity(snap, state), **tenant_view(snap, tenant)}
     hashes = None
     if blocks:
         hashes = [f"{k:016x}" for k in sorted(await state.model.llm.cached_block_hashes())]
@@ -116,7 +116,7 @@ async def kvcache(http: Request, state: State, blocks: bool = False) -> Any:
         for salt, t in snap.tenants.items()
     }
     return {
-        **_capacity(snap, state),
+        **capacity(snap, state),
         **asdict(cache),
         "hit_rate_tokens": _rate(cache.prefix_hit_tokens, cache.prefix_query_tokens),
         "running": snap.running,
@@ -129,7 +129,7 @@ async def kvcache(http: Request, state: State, blocks: bool = False) -> Any:
     }
 
 
-def _visible_pins(snap: EngineSnapshot, tenant: Tenant) -> list[PinInfo]:
+def visible_pins(snap: EngineSnapshot, tenant: Tenant) -> list[PinInfo]:
     own = (tenant.salt or "").encode()
     return [p for p in snap.pins if tenant.admin or p.salt == own]
 
@@ -137,20 +137,19 @@ def _visible_pins(snap: EngineSnapshot, tenant: Tenant) -> list[PinInfo]:
 @router.get("/api/kvcache/pins")
 async def pins(http: Request, state: State) -> Any:
     tenant = tenant_of(http)
-    decode = state.model.decode
-    listed = []
-    for pin in _visible_pins(state.model.snapshot, tenant):
-        listed.append(
-            {
-                "id": pin_id(pin),
-                "tenant": tenant_name(pin.salt),
-                "shared": pin.salt == b"" and state.keys.enabled,
-                "tokens": len(pin.token_ids),
-                "blocks": pin.num_blocks,
-                "preview": decode(list(pin.token_ids[:32])),
-            }
-        )
-    return {"pins": listed}
+    return {"pins": [listing(p, state) for p in visible_pins(state.model.snapshot, tenant)]}
+
+
+def listing(pin: PinInfo, state: ServerState) -> dict[str, Any]:
+    """A pin as the listings show it."""
+    return {
+        "id": pin_id(pin),
+        "tenant": tenant_name(pin.salt),
+        "shared": pin.salt == b"" and state.keys.enabled,
+        "tokens": len(pin.token_ids),
+        "blocks": pin.num_blocks,
+        "preview": state.model.decode(list(pin.token_ids[:32])),
+    }
 
 
 def _prefix_ids(body: PinBody, state: ServerState) -> list[int]:
@@ -207,7 +206,7 @@ async def unpin(http: Request, state: State) -> Any:
     tenant = tenant_of(http)
     model = state.model
     if body.id is not None:
-        found = [p for p in _visible_pins(model.snapshot, tenant) if pin_id(p) == body.id]
+        found = [p for p in visible_pins(model.snapshot, tenant) if pin_id(p) == body.id]
         if not found:
             raise APIError(404, f"no pin with id {body.id!r}", "not_found_error")
         salt = found[0].salt.decode() or None

@@ -1,7 +1,8 @@
 """``create_app``: the FastAPI application for one served model.
 
 Routes: ``ollama_api`` (``/api/...``, ``/``), ``openai_api`` (``/v1/...``), ``admin_api``
-(``/api/kvcache``, ``/metrics``). Every route but ``/`` and ``/api/version`` needs a valid
+(``/api/kvcache``, ``/metrics``), ``dashboard_api`` (``/dashboard``, the live view, and its
+data). Every route but ``/``, ``/dashboard`` and ``/api/version`` needs a valid
 key when keys are configured (401 otherwise); the key's tenant is on ``request.state``.
 Request bodies over ``max_body_bytes`` get 413 before any route reads them.
 """
@@ -16,16 +17,17 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 
 from kvpool import __version__
-from kvpool.server import admin_api, embed_api, errors, ollama_api, openai_api
+from kvpool.server import admin_api, dashboard_api, embed_api, errors, ollama_api, openai_api
 from kvpool.server.auth import ANONYMOUS, KeyRing
 from kvpool.server.errors import APIError
 from kvpool.server.limits import BodyLimit
 from kvpool.server.metrics import Metrics
 from kvpool.server.models import Leases, ModelRegistry
+from kvpool.server.pool_history import PoolHistory
 from kvpool.server.served_model import ServedModel
 from kvpool.server.state import ServerState
 
-PUBLIC_PATHS = frozenset({"/", "/api/version"})
+PUBLIC_PATHS = frozenset({"/", "/api/version", "/dashboard"})
 
 
 async def authenticate(request: Request) -> None:
@@ -52,16 +54,20 @@ def create_app(
     """The ASGI application (FastAPI wrapped in the body-size limit). ``models``: the
     registry that loads other models on demand (default: ``model`` alone)."""
     registry = models or ModelRegistry(model, None)
+    metrics = Metrics(lambda: model.snapshot)
+    history = PoolHistory(lambda: model.snapshot, metrics.activity)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        reaper = asyncio.create_task(registry.reap_forever())
+        tasks = [asyncio.create_task(registry.reap_forever()),
+                 asyncio.create_task(history.run_forever())]  # fmt: skip
         try:
             yield
         finally:
-            reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reaper
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await registry.close()
 
     app = FastAPI(
@@ -71,7 +77,8 @@ def create_app(
         model=model,
         models=registry,
         keys=keys or KeyRing({}),
-        metrics=Metrics(lambda: model.snapshot),
+        metrics=metrics,
+        history=history,
         tenant_pin_share=tenant_pin_share,
         max_queue=max_queue,
     )
@@ -81,4 +88,5 @@ def create_app(
     app.include_router(openai_api.router, dependencies=auth)
     app.include_router(admin_api.router, dependencies=auth)
     app.include_router(embed_api.router, dependencies=auth)
+    app.include_router(dashboard_api.router, dependencies=auth)
     return Leases(BodyLimit(app, max_body_bytes))

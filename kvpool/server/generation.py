@@ -105,11 +105,13 @@ class Generation:
                 if delta.logprobs:
                     sample.logprobs += delta.logprobs
                 out.cached_prompt_tokens = delta.cached_prompt_tokens
+                self._metrics.activity.streamed(len(delta.token_ids))
                 if delta.prompt_logprobs is not None:
                     out.prompt_logprobs = delta.prompt_logprobs
                 if delta.token_ids and out.first_token is None:
                     out.first_token = delta.time
                     self._metrics.ttft.labels(self._tenant).observe(delta.time - out.arrival)
+                    self._metrics.activity.first_token(delta.time - out.arrival)
                 if delta.finish_reason is not None:
                     sample.finish_reason = _public_reason(delta.finish_reason)
                 yield delta

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from kvpool.engine.snapshot import EngineSnapshot, TenantSnapshot
 from kvpool.server.auth import Tenant, tenant_name
+from kvpool.server.pool_history import Activity
 
 # What a tenant's scrape may see besides its own series: the pool's size.
 _CAPACITY = frozenset(
@@ -120,6 +121,7 @@ class Metrics:
     def __init__(self, snapshot: Callable[[], EngineSnapshot]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_PoolCollector(snapshot))
+        self.activity = Activity()  # streamed tokens and recent TTFTs, for the live view
         r = self.registry
         self.ttft = Histogram(
             "kvpool_time_to_first_token_seconds",

@@ -13,12 +13,13 @@ from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import HTMLResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from kvpool import __version__
 from kvpool.server import logprobs, tools
+from kvpool.server.dashboard_api import page, wants_html
 from kvpool.server.errors import bad_request, read_json, stream_error
 from kvpool.server.formats import constrained, ollama_format
 from kvpool.server.generation import Generation, Outcome
@@ -287,5 +288,8 @@ async def version() -> Any:
 
 
 @router.api_route("/", methods=["GET", "HEAD"])
-async def root() -> PlainTextResponse:
+async def root(http: Request) -> Response:
+    """Ollama's liveness answer; a browser (asking for HTML) gets the live view."""
+    if wants_html(http):
+        return HTMLResponse(page())
     return PlainTextResponse("Ollama is running (kvpool)")

@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 from kvpool.server.auth import KeyRing, Tenant
 from kvpool.server.metrics import Metrics
 from kvpool.server.models import ModelRegistry
+from kvpool.server.pool_history import PoolHistory
 from kvpool.server.served_model import ServedModel
 
 
@@ -22,6 +23,7 @@ class ServerState:
     metrics: Metrics
     tenant_pin_share: float = 0.25  # of the pin budget, for each non-admin tenant's pins
     max_queue: int | None = None  # waiting requests (the engine refuses past it)
+    history: PoolHistory | None = None  # the last minutes of the pool (the live view)
 
     def tenant_pin_blocks(self, max_pinned_blocks: int) -> int:
         """The blocks one non-admin tenant's pins may hold together."""
