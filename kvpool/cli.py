@@ -64,6 +64,11 @@ def _bench(args: argparse.Namespace) -> int:
             )
         )
         return 0
+    if args.what == "dashboard":
+        from kvpool.bench import dashboard
+
+        print(dashboard.run(args.requests or 16, rounds=args.rounds or 3))
+        return 0
     if args.what == "cluster":
         from kvpool.bench import cluster
 
@@ -160,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
             "grammar",
             "serve",
             "cluster",
+            "dashboard",
             "synth-model",
         ],
         help="cache: the block manager's own cost; model: the runtime beside transformers "
@@ -169,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
         "write a random-weight GGUF file with a real model's geometry and quant mix; "
         "kv-dtype: KV block dtypes' quality against float32 and capacity on a small budget; "
         "kv-tier: the second KV tier's time to first token and workloads with it on/off; "
-        "grammar: llguidance beside xgrammar, and what constrained rows cost a batch",
+        "grammar: llguidance beside xgrammar, and what constrained rows cost a batch; "
+        "dashboard: decode throughput with the live view polled or not",
     )
     bench.add_argument(
         "--requests", type=int, default=None,
@@ -201,7 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
         "replica (default 160); kv-dtype: 32",
     )  # fmt: skip
     bench.add_argument(
-        "--rounds", type=int, default=3, help="model: alternating rounds of both sides"
+        "--rounds",
+        type=int,
+        default=3,
+        help="model: alternating rounds of both sides; dashboard: rounds of each view",
     )
     bench.add_argument(
         "--model", default=None,

@@ -169,3 +169,26 @@ def test_with_keys_the_page_asks_for_one_and_shows_a_tenant_its_own(browser, tmp
     finally:
         browser.execute_script("sessionStorage.clear()")
         assert server.stop() == 0, server.logs()
+
+
+def test_a_simulated_replay_scrubs_through_its_frames(browser, tmp_path):
+    from kvpool.cli import main
+
+    out = tmp_path / "replay.html"
+    assert main(["simulate", "--requests", "60", "--html", str(out), "--quiet"]) == 0
+    browser.get(out.as_uri())  # a file, no server: everything is in it
+
+    def shown(i: int) -> tuple[str, str]:
+        return browser.execute_script(
+            "const s = document.getElementById('scrub'); s.value = arguments[0]; s.oninput();"
+            "return [document.getElementById('frameinfo').textContent,"
+            " document.getElementById('count-in_use').textContent]",
+            i,
+        )
+
+    frames = browser.execute_script("return window.KVPOOL_REPLAY.frames")
+    seen = {shown(i)[1] for i in range(0, len(frames), max(1, len(frames) // 12))}
+    assert len(seen) > 3  # the map changes as the replay goes
+    last = shown(len(frames) - 1)
+    assert last[0].startswith(f"frame {len(frames)} of {len(frames)}")
+    assert last[1] == str(frames[-1]["counts"]["in_use"])

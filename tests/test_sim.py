@@ -253,3 +253,35 @@ def test_cli_plots(tmp_path: Path):
 def test_cli_bad_input_is_a_clear_error(capsys):
     assert main(["simulate", "--model", "nope", "--quiet"]) == 2
     assert "unknown model" in capsys.readouterr().err
+
+
+def _replay_of(page: str) -> dict:
+    start = page.index("window.KVPOOL_REPLAY = ") + len("window.KVPOOL_REPLAY = ")
+    return json.loads(page[start : page.index(";</script>", start)].replace("<\\/", "</"))
+
+
+def test_cli_html_writes_the_live_view_of_the_replay(tmp_path: Path, capsys):
+    import base64
+
+    from kvpool.cache.block_map import count_states
+
+    out = tmp_path / "view.html"
+    args = ["simulate", "--requests", "60", "--html", str(out), "--quiet", "--json"]
+    assert main(args) == 0
+    rows = {r["strategy"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    page = out.read_text()
+    assert "http://" not in page.replace("http://www.w3.org", "")  # self-contained
+    replay = _replay_of(page)
+    blocks = replay["base"]["capacity"]["total_blocks"]
+    assert blocks == rows["paged+prefix"]["num_blocks"]
+    frames = replay["frames"]
+    assert 2 <= len(frames) < 400 and len(replay["history"]) == len(frames)
+    times = [f["t"] for f in frames]
+    assert times == sorted(times)
+    for frame in frames:
+        states = base64.b64decode(frame["map"])
+        assert len(states) == blocks and count_states(states) == frame["counts"]
+        used = {b for r in frame["requests"] for b in r["blocks"]}
+        assert all(states[b] & 0x3F or states[b] & 0x40 for b in used)  # held blocks
+    assert any(f["counts"]["shared"] for f in frames)  # the seed's shared system prompts
+    assert frames[-1]["pool"]["prefix_hit_tokens"] == rows["paged+prefix"]["prompt_tokens_cached"]

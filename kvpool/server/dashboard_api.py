@@ -19,7 +19,6 @@ in it while someone watches, ``kvpool.engine.pool_view``), never by pausing a st
 from __future__ import annotations
 
 import base64
-import importlib.resources
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -31,19 +30,9 @@ from kvpool.server.admin_api import capacity, listing, tenant_view, visible_pins
 from kvpool.server.auth import Tenant, tenant_name
 from kvpool.server.errors import APIError
 from kvpool.server.state import State, tenant_of
+from kvpool.web import page
 
 router = APIRouter()
-
-
-def page() -> str:
-    """The page's HTML (package data, read once)."""
-    global _PAGE
-    if _PAGE is None:
-        _PAGE = importlib.resources.files("kvpool.server").joinpath("dashboard.html").read_text()
-    return _PAGE
-
-
-_PAGE: str | None = None
 
 
 def wants_html(http: Request) -> bool:

@@ -19,13 +19,14 @@ from pydantic import BaseModel, ConfigDict
 
 from kvpool import __version__
 from kvpool.server import logprobs, tools
-from kvpool.server.dashboard_api import page, wants_html
+from kvpool.server.dashboard_api import wants_html
 from kvpool.server.errors import bad_request, read_json, stream_error
 from kvpool.server.formats import constrained, ollama_format
 from kvpool.server.generation import Generation, Outcome
 from kvpool.server.params import ollama_params
 from kvpool.server.served_model import ServedModel
 from kvpool.server.state import ServerState, State, tenant_of
+from kvpool.web import page
 
 router = APIRouter()
 OLLAMA_COMPAT_VERSION = "0.12.0"  # the Ollama API level these routes follow

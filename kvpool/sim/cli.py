@@ -70,6 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin-prefix", action="store_true", help="pin shared prefixes (paged+prefix)")
     p.add_argument("--json", action="store_true", help="one JSON object per strategy")
     p.add_argument("--plot", type=Path, metavar="DIR", help="write PNG plots into DIR")
+    p.add_argument(
+        "--html", type=Path, metavar="FILE",
+        help="write the live view of the replay (paged+prefix, else the first strategy) as "
+        "one self-contained page with a slider through simulated time",
+    )  # fmt: skip
     p.add_argument("--save-trace", type=Path, help="write the workload as a JSONL trace")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
@@ -130,9 +135,13 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.quiet,
     )
     t0 = time.perf_counter()
+    viewed = None
+    if args.html:
+        viewed = Strategy.PAGED_PREFIX if Strategy.PAGED_PREFIX in strategies else strategies[0]
     results = run_strategies(
-        workload, model, budget, strategies=strategies, block_size=args.block_size, **common
-    )
+        workload, model, budget, strategies=strategies, block_size=args.block_size,
+        frames_of=viewed, **common,
+    )  # fmt: skip
     wall = time.perf_counter() - t0
     if args.json:
         print(report.to_json_lines(results))
@@ -153,6 +162,12 @@ def run(args: argparse.Namespace) -> int:
             f"\nreplayed in {wall:.2f} s wall, {mgr:.2f} s of it in the block manager "
             f"({100 * mgr / wall if wall else 0:.0f}%)"
         )
+    if args.html:
+        result = next(r for r in results if r.frames is not None)
+        title = (f"kvpool simulate: {model.name}, {workload.name}, {result.strategy}, "
+                 f"block {result.block_size}")  # fmt: skip
+        report.write_html(result, args.html, title, bpt, args.kv_dtype, model.name)
+        print(f"wrote {args.html}", file=sys.stderr)
     if args.plot:
         args.plot.mkdir(parents=True, exist_ok=True)
         title = f"{model.name}, {budget.kv_bytes / GiB:.1f} GiB KV, workload {workload.name}"

@@ -32,6 +32,7 @@ from enum import StrEnum
 from kvpool.cache import KVCacheManager, OutOfBlocks, PinLimitExceeded, Policy
 from kvpool.progress import Progress
 from kvpool.sim.cost_model import StepCost
+from kvpool.sim.frames import Frames
 from kvpool.sim.workload import PREFIX, Request, Workload, segment_tokens
 
 
@@ -60,6 +61,7 @@ class SimConfig:
     watermark: float = 0.01  # share of blocks kept free at admission for growth
     pin_prefixes: bool = False
     max_series_points: int = 4000
+    frames: int = 0  # frames for the live view's replay (kvpool simulate --html); 0: none
 
 
 @dataclass
@@ -113,9 +115,10 @@ class SimResult:
     sim_wall_s: float
     manager_wall_s: float
     series: Series = field(repr=False, default_factory=Series)
+    frames: Frames | None = field(repr=False, default=None)
 
     def as_dict(self) -> dict[str, object]:
-        out = {k: v for k, v in self.__dict__.items() if k != "series"}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("series", "frames")}
         return out
 
 
@@ -129,6 +132,7 @@ class _Running:
     admit_step: int
     finish_step: int
     synced: int  # tokens recorded in the manager
+    cached: int = 0  # prompt tokens found cached at this admission
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -219,6 +223,7 @@ class _Replay:
         self.sample_every = 0.0
         self.next_sample = 0.0
         self.mgr_time = 0.0
+        self.frames = Frames(cfg.frames) if cfg.frames else None
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -242,6 +247,8 @@ class _Replay:
             self._quiet_steps()
         if self.progress:
             self.progress.__exit__()
+        if self.frames is not None:
+            self._frame()  # the end: everything finished
         return self._result(time.perf_counter() - wall0)
 
     def _arrive(self) -> None:
@@ -349,7 +356,9 @@ class _Replay:
             seq = self.next_seq
             self.next_seq += 1
             finish = self.step + (out_len - gen - 1)
-            self.running[seq] = _Running(seq, req, tokens, plen, gen, self.step, finish, plen)
+            self.running[seq] = _Running(
+                seq, req, tokens, plen, gen, self.step, finish, plen, alloc.num_cached_tokens
+            )
             heapq.heappush(self.events, (finish, 1, seq))
             if not static:
                 first_growth = (-(plen - 1)) % bs or bs
@@ -406,6 +415,23 @@ class _Replay:
         self.peak_saved = max(self.peak_saved, (live - stored) * bpt)
         self.peak_reserved = max(self.peak_reserved, reserved * bpt)
         self._sample(reserved)
+        if self.frames is not None and self.frames.due(self.t):
+            self._frame()
+
+    def _frame(self) -> None:
+        assert self.frames is not None
+        running = []
+        generated = self.output_tokens  # of the finished, plus what the running have so far
+        for seq, run in self.running.items():
+            out = run.gen0 + self.step - run.admit_step
+            generated += out
+            running.append({
+                "seq": seq, "id": str(run.req.request_id), "sample": 0, "tenant": "",
+                "status": "running", "prompt_tokens": run.prompt_len,
+                "cached_prompt_tokens": run.cached, "output_tokens": out, "preemptions": 0,
+            })  # fmt: skip
+        self.frames.record(self.t, self.mgr, running, len(self.waiting), self.preemptions,
+                           generated)  # fmt: skip
 
     def _sample(self, reserved: int) -> None:
         if self.t < self.next_sample:
@@ -528,4 +554,5 @@ class _Replay:
             sim_wall_s=wall,
             manager_wall_s=self.mgr_time,
             series=self.series,
+            frames=self.frames,
         )

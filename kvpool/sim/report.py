@@ -129,3 +129,24 @@ def plot_block_sizes(sweep: dict[str, list[SimResult]], path: str | Path, title:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def write_html(
+    result: SimResult, path: str | Path, title: str, bytes_per_token: int, kv_dtype: str,
+    model: str,
+) -> Path:  # fmt: skip
+    """The live view's page with ``result``'s frames in it (``kvpool simulate --html``)."""
+    from kvpool.web import replay_page
+
+    assert result.frames is not None, "the replay kept no frames"
+    per_block = result.block_size * bytes_per_token
+    base = {
+        "capacity": {"model": model, "block_size": result.block_size,
+                     "total_blocks": result.num_blocks, "kv_cache_dtype": kv_dtype,
+                     "bytes_per_block": per_block, "total_bytes": per_block * result.num_blocks},
+    }  # fmt: skip
+    replay = {"title": title, "base": base, "frames": result.frames.frames,
+              "history": result.frames.history}  # fmt: skip
+    out = Path(path)
+    out.write_text(replay_page(replay))
+    return out

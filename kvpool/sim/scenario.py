@@ -87,7 +87,10 @@ def run_strategies(
     block_size: int = 64,
     pin_prefixes: bool = False,
     progress: bool = False,
+    frames_of: Strategy | None = None,
 ) -> list[SimResult]:
+    """Replay ``workload`` under each strategy; ``frames_of``: the strategy whose replay
+    keeps frames for the live view (``SimResult.frames``)."""
     strategies = strategies or list(Strategy)
     bpt = model.geometry(kv_dtype_bytes(kv_dtype, model.head_dim)).bytes_per_token
     device = budget.device or find_device("24GB")  # step times need some card
@@ -100,6 +103,7 @@ def run_strategies(
             kv_bytes_per_token=bpt,
             block_size=block_size,
             pin_prefixes=pin_prefixes and strategy is Strategy.PAGED_PREFIX,
+            frames=200 if strategy is frames_of else 0,
         )
         results.append(simulate(workload, cfg, cost, progress=progress))
     return results
