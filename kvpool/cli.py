@@ -67,7 +67,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.what == "dashboard":
         from kvpool.bench import dashboard
 
-        print(dashboard.run(args.requests or 16, rounds=args.rounds or 3))
+        print(dashboard.run(args.requests or 16, rounds=args.rounds))
         return 0
     if args.what == "cluster":
         from kvpool.bench import cluster

@@ -152,6 +152,13 @@ def test_pins_reach_every_replica(cluster):
         assert time.monotonic() < deadline, view
         time.sleep(0.1)
         view = cluster_view(cluster)
+    # The live view through the ingress: one named replica's pool, its pin on the map.
+    page = httpx.get(f"{cluster.url}/dashboard", timeout=60)
+    assert page.status_code == 200 and 'id="blockmap"' in page.text
+    for name in per_replica:
+        data = httpx.get(f"{cluster.url}/api/dashboard", params={"replica": name}, timeout=60)
+        assert data.status_code == 200, data.text
+        assert any(p["tokens"] > 0 for p in data.json()["pins"])
 
 
 def test_default_router_caches_less():

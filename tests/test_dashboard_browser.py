@@ -127,7 +127,7 @@ def test_the_page_shows_pins_shared_and_cached_blocks_live(browser, tmp_path):
         _wait(lambda: count("pinned").isdigit() and int(count("pinned")) > 0)
         assert "tokens" in text("pins")
 
-        _wait(lambda: browser.execute_script("return history.length") >= 5)
+        _wait(lambda: browser.execute_script("return points.length") >= 5)
         ActionChains(browser).move_by_offset(0, 400).perform()  # the tip away
         shot = Path(os.environ.get("KVPOOL_DASHBOARD_SCREENSHOT") or tmp_path / "dashboard.png")
         shot.parent.mkdir(parents=True, exist_ok=True)

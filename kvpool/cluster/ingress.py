@@ -15,6 +15,9 @@ What spans the replicas is answered here:
 - ``GET /metrics``: every replica's series, labelled ``replica``, and the router's.
 - ``GET /api/cluster``: the router's view: replicas (pid, load, blocks indexed), how
   requests were routed; ``?blocks=true`` (admin): the index's block hashes per replica.
+- ``/api/dashboard`` (the live view's data): one replica's pool, the one ``?replica=ID``
+  names (the page passes its own query on: ``/dashboard?replica=ID``), else the first;
+  never a different replica from one poll to the next.
 
 Faults: a replica that fails before its response started is retried once on another
 replica (nothing reached the client); one that dies mid-stream ends the stream the way
@@ -340,4 +343,9 @@ async def dispatch(ingress: Ingress, request: Request) -> Response:
         return await ingress.metrics(http)
     if route == "/api/cluster" and request.method == "GET":
         return await ingress.cluster(http, blocks)
+    if route.startswith("/api/dashboard"):
+        names = await ingress.replicas()
+        if not names:
+            return ingress._error(http.path, 503, "no replica is running")
+        return await ingress.forward(http, replica if replica in names else names[0])
     return await ingress.forward(http)
