@@ -11,6 +11,7 @@ between two steps.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -89,11 +90,14 @@ def _request_view(manager: KVCacheManager, request: Request) -> RequestView:
     )
 
 
+MAX_WAITING_SHOWN = 200  # a long queue is listed by its head (the snapshot counts it all)
+
+
 def take_view(
     manager: KVCacheManager, running: list[Request], waiting: Iterable[Request]
 ) -> PoolView:
     requests = [_request_view(manager, r) for r in running]
-    requests += [_request_view(manager, r) for r in waiting]
+    requests += [_request_view(manager, r) for r in itertools.islice(waiting, MAX_WAITING_SHOWN)]
     return PoolView(bytes(manager.pool.states), tuple(requests), time.time())
 
 

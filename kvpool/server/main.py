@@ -210,6 +210,7 @@ def serve(args: argparse.Namespace) -> int:
     llm.start()
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     print(f"kvpool: serving {model.name} on http://{shown}:{bound_port}", flush=True)
+    print(f"kvpool: the pool, live: http://{shown}:{bound_port}/dashboard", file=sys.stderr)
     try:
         Server(config).run(sockets=[sock])
     finally:
