@@ -21,7 +21,7 @@ def _manager_ops(events: bool) -> float:
     without events (seconds, best of 5)."""
     best = float("inf")
     for _ in range(5):
-        m = KVCacheManager(BATCH * 8, 16)
+        m = KVCacheManager(BATCH * 12, 16)
         if events:
             m.enable_kv_events()
         for seq in range(BATCH):
