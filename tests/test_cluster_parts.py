@@ -5,9 +5,10 @@ routing policy, and a request through an ASGI app in process.
   it likes (and one that fell behind the log's window: it gets a snapshot) holds exactly
   each replica's cached block set; a forgotten replica holds nothing, and a batch it
   still had in flight does not bring it back.
-- Policy: the longest cached prefix wins whatever the backlogs (a hit of one block
-  is a tie, which the least work sent wins); a request's prefix counts as soon as it is
-  routed (before any event); a replica with many more requests in flight is passed over.
+- Policy: the least cost wins (the work sent there plus 8 x the prompt tokens it would
+  compute there); a request's prefix counts as soon as it is chosen (before Ray Serve
+  reports it, before any event); a replica with many more requests in flight is passed
+  over.
 - ASGI: streamed parts arrive in order; closing early tells the app the client left; an
   app that fails before answering gives a 500.
 """
@@ -148,18 +149,16 @@ def test_a_routed_prefix_counts_until_its_events_confirm_it():
     assert routing.hits(["a", "b"], keys) == {"a": 0, "b": 0}
 
 
-def test_a_cached_prefix_sticks_whatever_the_backlog_and_a_short_one_ties():
+def test_a_cached_prefix_loses_only_to_a_backlog_far_longer_than_its_prefill():
     routing = PrefixRouting(BS, imbalance=3)
     system = list(range(100, 120))
     _cache(routing, "a", [*system, 1])
     prompt = [*system, 9, 9]  # 22 tokens; 20 of them cached on a
     keys = _keys(prompt)
-    routing.pending.update({"a": 10_000, "b": 0})  # a's backlog: still a (b must compute 22)
+    routing.pending.update({"a": 159, "b": 0})  # 159 + 8 x 2 < 8 x 22 on b: a
     assert routing.rank(["a", "b"], keys, len(prompt))[0] == ["a"]
-    header = [*system[:4], 7, 7, 7, 7, 7, 7]  # one block cached on a: a tie, load decides
-    assert routing.rank(["a", "b"], _keys(header), len(header))[0] == ["b"]
-    routing.pending["a"] = 0
-    assert routing.rank(["a", "b"], _keys(header), len(header))[0] == ["a"]  # more free? equal
+    routing.pending["a"] = 161  # 161 + 16 > 176: b, though it must compute it all
+    assert routing.rank(["a", "b"], keys, len(prompt))[0] == ["b"]
     routing.pending["a"] = 0
     routing.in_flight.update({"a": 3, "b": 0})  # 3 more in flight: passed over
     assert routing.rank(["a", "b"], keys, len(prompt)) == [["b"], ["a"]]

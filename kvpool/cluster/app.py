@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--imbalance", type=int, default=32, metavar="REQUESTS",
                    help="kvpool router: a replica with this many more requests in flight "
                         "than the least loaded one is passed over, whatever it caches "
-                        "(default 32); below that, the least work wins")  # fmt: skip
+                        "(default 32); below that, the least cost wins")  # fmt: skip
 
 
 def serve_argv(args: argparse.Namespace) -> list[str]:

@@ -1,7 +1,8 @@
-"""Where a request goes: the replica that caches (or is about to cache) the most of its
-prompt, unless that replica has many more requests in flight than the least loaded one;
-between replicas that cache about as much, the one with the least work sent. Plain
-Python: the Ray Serve ``RequestRouter`` (``kvpool.cluster.router``) only adapts it.
+"""Where a request goes: the replica where it costs the least, counting the work already
+sent there and, heavily, the prompt tokens it would have to compute there (all but its
+cached prefix); a replica with many more requests in flight than the least loaded one
+is passed over whatever it caches. Plain Python: the Ray Serve ``RequestRouter``
+(``kvpool.cluster.router``) only adapts it.
 
 What it knows:
 
@@ -24,16 +25,21 @@ What it knows:
   is forgotten after ``UNREPORTED_S``.
 
 The choice (``rank``): among replicas with fewer than ``imbalance`` requests in flight
-more than the least loaded, those whose uncached part of the prompt is within
-``TIE_BLOCKS`` blocks of the smallest; among those the least ``pending`` work, then the
-most free blocks. A cached prefix is sticky: under overload every replica has a backlog
-and the backlogs swing by more than any prefill a hit saves, so weighing the two (the
-policy before this one) sent a prompt's requests to the replica it had just left,
-which computed the prompt again and evicted another prompt's blocks for it: with 8
-system prompts in two pools that each hold 4, both replicas thrashed (55% of prompt
-tokens cached against 93% for a router that sticks). A hit of one block (a chat
-template's header) does not make a replica preferred: those replicas tie and load
-decides. The rest follow, least uncached first, as Ray Serve's fallback ranks.
+more than the least loaded, the lowest ``pending + UNCACHED_WEIGHT x uncached prompt
+tokens``; ties go to the replica with more free blocks. The rest follow, cheapest first,
+as Ray Serve's fallback ranks.
+
+Why an uncached token weighs 8 tokens of queued work (measured with ``kvpool bench
+cluster``, two single-thread replicas, 64 clients, docs/performance.md): a miss costs its
+prefill and, in a full pool, the blocks the second copy evicts, which other requests
+then recompute. At weight 2 the backlogs of an overloaded cluster swing by more than a
+hit is worth, and 8 system prompts' requests left the replica holding their prompt
+(86% cached, 541 s for 512 requests); a router that always sticks to the longest hit
+(93%, 208 s) starves a replica when every request shares one prefix (16 chats resending
+one system prompt all went to one replica: 60% cached, 245 s against 156 s for
+power-of-two choices). At 8 a replica's cached system prompt outweighs any backlog it
+builds under that load, while new conversations, whose only hit is a short shared
+prompt, go to the idle replica.
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from kvpool.cluster.asgi_call import HTTPRequest
 from kvpool.cluster.event_log import IndexReplay
 
 UNREPORTED_S = 30.0  # a choice Ray Serve never reported (the request was cancelled)
-TIE_BLOCKS = 1  # replicas whose uncached prompts differ by at most this many blocks tie
+UNCACHED_WEIGHT = 8  # an uncached prompt token, in tokens of queued work (see above)
 
 # The routers made in this process (``kvpool.cluster.router``), by deployment name.
 ROUTERS: dict[str, Any] = {}
@@ -205,10 +211,9 @@ class PrefixRouting:
         loads = self.replay.loads
         free = {r: loads[r].free_blocks if r in loads else 0 for r in replicas}
         eligible = [r for r in replicas if load[r] - least < self.imbalance]
-        fewest = min(uncached[r] for r in eligible)
-        tied = [r for r in eligible if uncached[r] - fewest <= TIE_BLOCKS * self.block_size]
-        best = min(tied, key=lambda r: (pending[r], -free[r], load[r]))
-        if len(tied) < len(eligible):
+        cost = {r: pending[r] + UNCACHED_WEIGHT * uncached[r] for r in replicas}
+        best = min(eligible, key=lambda r: (cost[r], -free[r], load[r]))
+        if uncached[best] < max(uncached[r] for r in eligible):
             self.routed_by_prefix += 1
         else:
             self.routed_by_load += 1
