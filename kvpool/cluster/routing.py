@@ -110,6 +110,8 @@ class PrefixRouting:
         """Ray Serve sent the request to ``replica`` (counted once, whatever ``chosen``
         counted for it before)."""
         self._unreported.pop(request_id, None)
+        if self._work.get(request_id, ("",))[0] == replica:
+            return  # where it was chosen: already counted (no second look-up of its hits)
         self._record(request_id, replica, keys, prompt_tokens, max_tokens)
 
     def chosen(
