@@ -174,6 +174,42 @@ def test_packed_products_equal_the_row_kernels(qtype, variant):
     assert ops.quant_packs(tid, variant) == (variant != "generic")
 
 
+@pytest.mark.parametrize("variant", [variant_param(v) for v in INT8_VARIANTS])
+def test_packed_q4_0_at_the_int16_limits(variant):
+    """Q4_0's offset of 8 taken into the integer sums (AVX2) at the extremes of int16:
+    nibbles all 0 or all 15 against activations all at +-127, signs by position mod 4
+    (the lanes the offset is split over). Activations of +-1 quantize exactly, so the
+    integer products must equal the dequantized float product to its rounding; a
+    wrapped int16 sum would be off by 65536 d / 127. Batch and rows alone (different
+    kernels) alike."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(7)
+    n, k = 32, 256
+    nibbles = np.zeros((n, k // 32, 16), np.uint8)  # row pattern by n % 4: all 0
+    nibbles[1::4] = 0xFF  # all 15
+    nibbles[2::4] = 0x0F  # 15 in a block's first half, 0 in its second
+    nibbles[3::4] = rng.integers(0, 256, (n // 4, k // 32, 16), dtype=np.uint8)
+    scales = np.full((n, k // 32, 1), 0.5, np.float16).view(np.uint8).reshape(n, k // 32, 2)
+    raw = torch.from_numpy(np.concatenate([scales, nibbles], axis=2).reshape(n, -1).copy())
+    pos = np.arange(k)
+    signs = [
+        np.ones(k), -np.ones(k), np.where(pos % 4 < 2, 1.0, -1.0),
+        np.where(pos % 4 < 2, -1.0, 1.0), np.where(pos % 32 < 16, 1.0, -1.0),
+        np.where(pos % 2 == 0, 1.0, -1.0), rng.choice([-1.0, 1.0], k), -np.ones(k), np.ones(k),
+    ]  # fmt: skip
+    x = torch.tensor(np.stack(signs), dtype=torch.float32)
+    tid = TYPES["Q4_0"][0]
+    want = x @ torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType(tid))).T
+    packed = ops.quant_pack(raw, tid)
+    batch = ops.quant_matmul(x, [packed], [tid | PACKED], 0, variant)
+    assert (batch - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    for i in range(x.shape[0]):
+        alone = ops.quant_matmul(x[i : i + 1], [packed], [tid | PACKED], 0, variant)[0]
+        assert torch.equal(alone, batch[i])
+
+
 @pytest.mark.parametrize("rows", [1, 32, 1100])  # scratch buffers; then allocated ones
 @pytest.mark.parametrize("mode", [0, 1])
 def test_products_in_bf16_round_once_as_torch_does(rows, mode):

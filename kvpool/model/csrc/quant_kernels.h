@@ -13,14 +13,30 @@ namespace kvp {
 // Activations quantized for the integer products: each row's blocks of 32 values as
 // int8 (q = round(x / d)), their scales d, d * sum(q) (for the weight formats with an
 // offset or a minimum) and d * sum(q) of each 16 values (Q6_K's offset, per scale).
-// Rows are k, k / 32, k / 32 and k / 16 apart.
+// off4: each block's Q4_0 offset in the integers, -8 times the sum of its q at
+// positions 0, 1 mod 4 and at 2, 3 mod 4, as two int16 halves of an int32 (the AVX2
+// packed Q4_0 kernel starts each block's int16 sums there; see offsets4).
+// Rows are k, k / 32, k / 32, k / 16 and k / 32 apart.
 struct Q8Rows {
   const int8_t* q;
   const float* d;
   const float* ds;
   const float* dsh;
+  const int32_t* off4;
   int64_t k;
 };
+
+// off4 of m rows of quantized activations (k a multiple of 32): |sum| <= 16 * 127, so
+// -8 sum fits an int16. Plain code: a pass over q, small beside any product of it.
+inline void offsets4(const int8_t* q, int64_t m, int64_t k, int32_t* off4) {
+  for (int64_t b = 0; b < m * (k / 32); ++b) {
+    const int8_t* x = q + 32 * b;
+    int32_t s[2] = {0, 0};
+    for (int i = 0; i < 32; ++i) s[(i >> 1) & 1] += x[i];
+    off4[b] = static_cast<int32_t>(static_cast<uint16_t>(-8 * s[0]) |
+                                   (static_cast<uint32_t>(static_cast<uint16_t>(-8 * s[1])) << 16));
+  }
+}
 
 struct QuantKernels {
   const char* name;  // the instruction set: "avx512-vnni", "avx2", "generic"

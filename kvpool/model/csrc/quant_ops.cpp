@@ -198,6 +198,7 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   const QuantKernels* t = table(isa);
   static thread_local std::vector<float> x_scratch, y_scratch, d_scratch;
   static thread_local std::vector<int8_t> q_scratch;
+  static thread_local std::vector<int32_t> o_scratch;
   const bool bf16_in = x_in.scalar_type() == at::kBFloat16;
   const bool bf16_out = same_dtype && bf16_in;
   const bool bf16_tiles = mode == 2 && m >= kGemmRows;
@@ -206,7 +207,7 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   if (m == 0) return y;
   // The activations in float32: x itself, or its bf16 values widened into scratch.
   const float* xp;
-  at::Tensor x_keep, y_keep, q_keep, d_keep;
+  at::Tensor x_keep, y_keep, q_keep, d_keep, o_keep;
   if (bf16_in) {
     const auto xc = x_in.contiguous();
     float* dst = buffer_for(x_scratch, x_keep, m * k, at::kFloat);
@@ -225,17 +226,19 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   };
   bool any_int = false;
   for (const auto& p : parts) any_int |= integer_for(p);
-  kvp::Q8Rows act{nullptr, nullptr, nullptr, nullptr, k};
+  kvp::Q8Rows act{nullptr, nullptr, nullptr, nullptr, nullptr, k};
   if (any_int) {
     int8_t* q = buffer_for(q_scratch, q_keep, m * k, at::kChar);
     float* d = buffer_for(d_scratch, d_keep, m * (k / 32) * 2 + m * (k / 16), at::kFloat);
     float* ds = d + m * (k / 32);  // then ds, then dsh
     float* dsh = ds + m * (k / 32);
+    int32_t* off4 = buffer_for(o_scratch, o_keep, m * (k / 32), at::kInt);
     at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
       t->quantize_rows(xp + begin * k, end - begin, k, q + begin * k, d + begin * (k / 32),
                        ds + begin * (k / 32), dsh + begin * (k / 16));
+      kvp::offsets4(q + begin * k, end - begin, k, off4 + begin * (k / 32));
     });
-    act = {q, d, ds, dsh, k};
+    act = {q, d, ds, dsh, off4, k};
   }
 
   // Tasks: (part, first row, rows), integer tiles and float tiles apart (packed parts in
@@ -274,7 +277,7 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
     for (int64_t m0 = 0; m0 < m; m0 += kRowBlock) {
       const int64_t mb = std::min(kRowBlock, m - m0);
       const kvp::Q8Rows block{act.q + m0 * k, act.d + m0 * (k / 32), act.ds + m0 * (k / 32),
-                              act.dsh + m0 * (k / 16), k};
+                              act.dsh + m0 * (k / 16), act.off4 + m0 * (k / 32), k};
       for (int64_t i = begin; i < end; ++i) {
         const Task& task = tasks[i];
         if (!task.integer) continue;
