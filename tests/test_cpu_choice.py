@@ -100,3 +100,19 @@ def test_the_module_runs_what_the_cpu_has():
     assert ("avx2" in variants) == cpu.avx2
     assert ("avx512-vnni" in variants) == (cpu.avx512 and cpu.avx512_vnni)
     assert ("avx512-bf16" in variants) == (cpu.avx512 and cpu.avx512_vnni and cpu.avx512_bf16)
+
+
+def test_the_native_ops_build_where_a_compiler_is():
+    """Where the native ops are not disabled and a C++ compiler is present, they build:
+    the tests of every kernel skip without them, so a compile error (in any variant, the
+    AVX-512 ones included: every variant is compiled on every x86-64 CPU) would
+    otherwise pass as skips."""
+    import shutil
+
+    from kvpool.model.native import native_ops
+
+    if os.environ.get("KVPOOL_NATIVE", "1") == "0":
+        pytest.skip("the native ops are disabled here (KVPOOL_NATIVE=0)")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler here")
+    assert native_ops() is not None, "the native ops did not build: see the warning"

@@ -174,25 +174,42 @@ def test_packed_products_equal_the_row_kernels(qtype, variant):
     assert ops.quant_packs(tid, variant) == (variant != "generic")
 
 
+def _extreme_blocks(qtype: str, n: int, k: int, rng) -> torch.Tensor:
+    """Rows by n % 4: every value the format's lowest, every value its highest, a mix
+    (Q4_0: 15 in each block's first half, 0 in its second), random bytes; Q6_K's int8
+    scales random over their whole range."""
+    if qtype == "Q4_0":
+        body = np.zeros((n, k // 32, 16), np.uint8)
+        body[1::4] = 0xFF
+        body[2::4] = 0x0F
+        body[3::4] = rng.integers(0, 256, (n // 4, k // 32, 16), dtype=np.uint8)
+        d = np.full((n, k // 32, 1), 0.5, np.float16).view(np.uint8).reshape(n, k // 32, 2)
+        return torch.from_numpy(np.concatenate([d, body], axis=2).reshape(n, -1).copy())
+    body = np.zeros((n, k // 256, 192), np.uint8)  # ql[128] | qh[64]: q all 0
+    body[1::4] = 0xFF  # q all 63
+    body[2::4, :, :64] = 0xFF  # q 15 or 63 by position
+    body[3::4] = rng.integers(0, 256, (n // 4, k // 256, 192), dtype=np.uint8)
+    scales = rng.integers(-128, 128, (n, k // 256, 16)).astype(np.int8).view(np.uint8)
+    scales[0::4, :, 0] = 0x80  # -128, the largest product
+    d = np.full((n, k // 256, 1), 2**-7, np.float16).view(np.uint8).reshape(n, k // 256, 2)
+    return torch.from_numpy(np.concatenate([body, scales, d], axis=2).reshape(n, -1).copy())
+
+
 @pytest.mark.parametrize("variant", [variant_param(v) for v in INT8_VARIANTS])
-def test_packed_q4_0_at_the_int16_limits(variant):
-    """Q4_0's offset of 8 taken into the integer sums (AVX2) at the extremes of int16:
-    nibbles all 0 or all 15 against activations all at +-127, signs by position mod 4
-    (the lanes the offset is split over). Activations of +-1 quantize exactly, so the
-    integer products must equal the dequantized float product to its rounding; a
-    wrapped int16 sum would be off by 65536 d / 127. Batch and rows alone (different
-    kernels) alike."""
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q6_K"])
+def test_packed_offsets_in_the_sums_at_the_int16_limits(qtype, variant):
+    """Q4_0's offset of 8 and Q6_K's of 32 taken into the integer sums (AVX2), at the
+    extremes of int16: the format's lowest and highest values against activations all
+    at +-127, signs by position mod 4 (the lanes an offset is split over). Activations
+    of +-1 quantize exactly, so the integer products must equal the dequantized float
+    product to its rounding; a wrapped int16 sum would be off by 65536 times a scale.
+    Batch and rows alone (different kernels) alike."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     rng = np.random.default_rng(7)
-    n, k = 32, 256
-    nibbles = np.zeros((n, k // 32, 16), np.uint8)  # row pattern by n % 4: all 0
-    nibbles[1::4] = 0xFF  # all 15
-    nibbles[2::4] = 0x0F  # 15 in a block's first half, 0 in its second
-    nibbles[3::4] = rng.integers(0, 256, (n // 4, k // 32, 16), dtype=np.uint8)
-    scales = np.full((n, k // 32, 1), 0.5, np.float16).view(np.uint8).reshape(n, k // 32, 2)
-    raw = torch.from_numpy(np.concatenate([scales, nibbles], axis=2).reshape(n, -1).copy())
+    n, k = 32, 512
+    raw = _extreme_blocks(qtype, n, k, rng)
     pos = np.arange(k)
     signs = [
         np.ones(k), -np.ones(k), np.where(pos % 4 < 2, 1.0, -1.0),
@@ -200,7 +217,7 @@ def test_packed_q4_0_at_the_int16_limits(variant):
         np.where(pos % 2 == 0, 1.0, -1.0), rng.choice([-1.0, 1.0], k), -np.ones(k), np.ones(k),
     ]  # fmt: skip
     x = torch.tensor(np.stack(signs), dtype=torch.float32)
-    tid = TYPES["Q4_0"][0]
+    tid = TYPES[qtype][0]
     want = x @ torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType(tid))).T
     packed = ops.quant_pack(raw, tid)
     batch = ops.quant_matmul(x, [packed], [tid | PACKED], 0, variant)
@@ -208,20 +225,3 @@ def test_packed_q4_0_at_the_int16_limits(variant):
     for i in range(x.shape[0]):
         alone = ops.quant_matmul(x[i : i + 1], [packed], [tid | PACKED], 0, variant)[0]
         assert torch.equal(alone, batch[i])
-
-
-@pytest.mark.parametrize("rows", [1, 32, 1100])  # scratch buffers; then allocated ones
-@pytest.mark.parametrize("mode", [0, 1])
-def test_products_in_bf16_round_once_as_torch_does(rows, mode):
-    """``same_dtype``: a bf16 input's product comes back in bf16, the float32 sums rounded
-    once, bit for bit what ``.to(torch.bfloat16)`` of the float32 result gives, whether
-    the call used the per-thread scratch buffers (decode) or allocated (prefill); calls
-    of other sizes in between leave no trace."""
-    raw = blocks("Q4_0", 40, 256, seed=5)
-    x = torch.randn(rows, 256).to(torch.bfloat16)
-    want = ops.quant_matmul(x, [raw], [TYPES["Q4_0"][0]], mode).to(torch.bfloat16)
-    ops.quant_matmul(torch.randn(7, 256).to(torch.bfloat16), [raw], [2], mode, "", True)
-    got = ops.quant_matmul(x, [raw], [TYPES["Q4_0"][0]], mode, "", True)
-    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
-    floats = ops.quant_matmul(x.float(), [raw], [TYPES["Q4_0"][0]], mode, "", True)
-    assert floats.dtype == torch.float32  # a float32 input keeps float32

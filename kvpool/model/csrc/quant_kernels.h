@@ -13,28 +13,38 @@ namespace kvp {
 // Activations quantized for the integer products: each row's blocks of 32 values as
 // int8 (q = round(x / d)), their scales d, d * sum(q) (for the weight formats with an
 // offset or a minimum) and d * sum(q) of each 16 values (Q6_K's offset, per scale).
-// off4: each block's Q4_0 offset in the integers, -8 times the sum of its q at
-// positions 0, 1 mod 4 and at 2, 3 mod 4, as two int16 halves of an int32 (the AVX2
-// packed Q4_0 kernel starts each block's int16 sums there; see offsets4).
-// Rows are k, k / 32, k / 32, k / 16 and k / 32 apart.
+// off4 and off6: the offsets of Q4_0 (8) and Q6_K (32) in the integers, for the AVX2
+// packed kernels, which start their int16 sums there (see offsets_into_sums): -8 times
+// a block's q summed by lane (positions 0, 1 mod 4 and positions 2, 3 mod 4, the two
+// int16 halves of an int32), and -32 times each 16 values' q summed so.
+// Rows are k, k / 32, k / 32, k / 16, k / 32 and k / 16 apart.
 struct Q8Rows {
   const int8_t* q;
   const float* d;
   const float* ds;
   const float* dsh;
   const int32_t* off4;
+  const int32_t* off6;
   int64_t k;
 };
 
-// off4 of m rows of quantized activations (k a multiple of 32): |sum| <= 16 * 127, so
-// -8 sum fits an int16. Plain code: a pass over q, small beside any product of it.
-inline void offsets4(const int8_t* q, int64_t m, int64_t k, int32_t* off4) {
+// -c times the lane sums of n values of q (n a multiple of 4), as two int16 halves.
+inline int32_t lane_offsets(const int8_t* q, int n, int c) {
+  int32_t s[2] = {0, 0};
+  for (int i = 0; i < n; ++i) s[(i >> 1) & 1] += q[i];
+  return static_cast<int32_t>(static_cast<uint16_t>(-c * s[0]) |
+                              (static_cast<uint32_t>(static_cast<uint16_t>(-c * s[1])) << 16));
+}
+
+// off4 and off6 of m rows of quantized activations (k a multiple of 32). Each fits
+// int16: |8 x 16 x 127| and |32 x 8 x 127| < 32768. Plain code: a pass over q, small
+// beside any product of it.
+inline void offsets_into_sums(const int8_t* q, int64_t m, int64_t k, int32_t* off4,
+                              int32_t* off6) {
   for (int64_t b = 0; b < m * (k / 32); ++b) {
-    const int8_t* x = q + 32 * b;
-    int32_t s[2] = {0, 0};
-    for (int i = 0; i < 32; ++i) s[(i >> 1) & 1] += x[i];
-    off4[b] = static_cast<int32_t>(static_cast<uint16_t>(-8 * s[0]) |
-                                   (static_cast<uint32_t>(static_cast<uint16_t>(-8 * s[1])) << 16));
+    off4[b] = lane_offsets(q + 32 * b, 32, 8);
+    off6[2 * b] = lane_offsets(q + 32 * b, 16, 32);
+    off6[2 * b + 1] = lane_offsets(q + 32 * b + 16, 16, 32);
   }
 }
 
