@@ -174,6 +174,23 @@ def test_packed_products_equal_the_row_kernels(qtype, variant):
     assert ops.quant_packs(tid, variant) == (variant != "generic")
 
 
+@pytest.mark.parametrize("rows", [1, 32, 1100])  # scratch buffers; then allocated ones
+@pytest.mark.parametrize("mode", [0, 1])
+def test_products_in_bf16_round_once_as_torch_does(rows, mode):
+    """``same_dtype``: a bf16 input's product comes back in bf16, the float32 sums rounded
+    once, bit for bit what ``.to(torch.bfloat16)`` of the float32 result gives, whether
+    the call used the per-thread scratch buffers (decode) or allocated (prefill); calls
+    of other sizes in between leave no trace."""
+    raw = blocks("Q4_0", 40, 256, seed=5)
+    x = torch.randn(rows, 256).to(torch.bfloat16)
+    want = ops.quant_matmul(x, [raw], [TYPES["Q4_0"][0]], mode).to(torch.bfloat16)
+    ops.quant_matmul(torch.randn(7, 256).to(torch.bfloat16), [raw], [2], mode, "", True)
+    got = ops.quant_matmul(x, [raw], [TYPES["Q4_0"][0]], mode, "", True)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    floats = ops.quant_matmul(x.float(), [raw], [TYPES["Q4_0"][0]], mode, "", True)
+    assert floats.dtype == torch.float32  # a float32 input keeps float32
+
+
 def _extreme_blocks(qtype: str, n: int, k: int, rng) -> torch.Tensor:
     """Rows by n % 4: every value the format's lowest, every value its highest, a mix
     (Q4_0: 15 in each block's first half, 0 in its second), random bytes; Q6_K's int8
