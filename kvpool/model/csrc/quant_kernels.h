@@ -16,7 +16,8 @@ namespace kvp {
 // off4 and off6: the offsets of Q4_0 (8) and Q6_K (32) in the integers, for the AVX2
 // packed kernels, which start their int16 sums there (see offsets_into_sums): -8 times
 // a block's q summed by lane (positions 0, 1 mod 4 and positions 2, 3 mod 4, the two
-// int16 halves of an int32), and -32 times each 16 values' q summed so.
+// int16 halves of an int32), and -32 times each 16 values' q summed so; null where no
+// kernel of the product reads them.
 // Rows are k, k / 32, k / 32, k / 16, k / 32 and k / 16 apart.
 struct Q8Rows {
   const int8_t* q;
@@ -28,23 +29,25 @@ struct Q8Rows {
   int64_t k;
 };
 
-// -c times the lane sums of n values of q (n a multiple of 4), as two int16 halves.
-inline int32_t lane_offsets(const int8_t* q, int n, int c) {
-  int32_t s[2] = {0, 0};
-  for (int i = 0; i < n; ++i) s[(i >> 1) & 1] += q[i];
-  return static_cast<int32_t>(static_cast<uint16_t>(-c * s[0]) |
-                              (static_cast<uint32_t>(static_cast<uint16_t>(-c * s[1])) << 16));
+// Two int16 values as the halves of an int32 (a first).
+inline int32_t int16_pair(int32_t a, int32_t b) {
+  return static_cast<int32_t>(static_cast<uint16_t>(a) |
+                              (static_cast<uint32_t>(static_cast<uint16_t>(b)) << 16));
 }
 
-// off4 and off6 of m rows of quantized activations (k a multiple of 32). Each fits
-// int16: |8 x 16 x 127| and |32 x 8 x 127| < 32768. Plain code: a pass over q, small
-// beside any product of it.
+// off4 and off6 of m rows of quantized activations (k a multiple of 32), from one pass
+// over each block's lane sums (s[half][lane]). Each fits int16: |8 x 16 x 127| and
+// |32 x 8 x 127| < 32768. Computed only for the kernels that read them
+// (QuantKernels::sums_from_offsets).
 inline void offsets_into_sums(const int8_t* q, int64_t m, int64_t k, int32_t* off4,
                               int32_t* off6) {
   for (int64_t b = 0; b < m * (k / 32); ++b) {
-    off4[b] = lane_offsets(q + 32 * b, 32, 8);
-    off6[2 * b] = lane_offsets(q + 32 * b, 16, 32);
-    off6[2 * b + 1] = lane_offsets(q + 32 * b + 16, 16, 32);
+    const int8_t* x = q + 32 * b;
+    int32_t s[2][2] = {{0, 0}, {0, 0}};
+    for (int i = 0; i < 32; ++i) s[i >> 4][(i >> 1) & 1] += x[i];
+    off4[b] = int16_pair(-8 * (s[0][0] + s[1][0]), -8 * (s[0][1] + s[1][1]));
+    off6[2 * b] = int16_pair(-32 * s[0][0], -32 * s[0][1]);
+    off6[2 * b + 1] = int16_pair(-32 * s[1][0], -32 * s[1][1]);
   }
 }
 
@@ -64,6 +67,8 @@ struct QuantKernels {
                           float* out);
   // Does this table multiply the packed layout (quant_packed.h) of ggml type t?
   bool (*has_packed_dot)(int t);
+  // Does its packed_dot of type t start its integer sums from Q8Rows' off4 / off6?
+  bool (*sums_from_offsets)(int t);
   // As int_dot, for n_groups packed groups of 8 rows (group_bytes apart): rows 8 g .. 8 g + 7.
   void (*packed_dot)(int t, const uint8_t* w, int64_t group_bytes, int64_t n_groups,
                      const Q8Rows* a, int64_t m, float* y, int64_t ldy);

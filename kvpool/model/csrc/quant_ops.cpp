@@ -224,21 +224,25 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   auto integer_for = [&](const Part& p) {
     return mode == 0 && (p.packed ? t->has_packed_dot(p.type) : t->has_int_dot(p.type));
   };
-  bool any_int = false;
-  for (const auto& p : parts) any_int |= integer_for(p);
+  bool any_int = false, offsets = false;  // offsets: off4 / off6 for the packed kernels
+  for (const auto& p : parts) {
+    any_int |= integer_for(p);
+    offsets |= integer_for(p) && p.packed && t->sums_from_offsets(p.type);
+  }
   kvp::Q8Rows act{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, k};
   if (any_int) {
     int8_t* q = buffer_for(q_scratch, q_keep, m * k, at::kChar);
     float* d = buffer_for(d_scratch, d_keep, m * (k / 32) * 2 + m * (k / 16), at::kFloat);
     float* ds = d + m * (k / 32);  // then ds, then dsh
     float* dsh = ds + m * (k / 32);
-    int32_t* off4 = buffer_for(o_scratch, o_keep, m * (k / 32) * 3, at::kInt);
-    int32_t* off6 = off4 + m * (k / 32);
+    int32_t* off4 = offsets ? buffer_for(o_scratch, o_keep, m * (k / 32) * 3, at::kInt) : nullptr;
+    int32_t* off6 = offsets ? off4 + m * (k / 32) : nullptr;
     at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
       t->quantize_rows(xp + begin * k, end - begin, k, q + begin * k, d + begin * (k / 32),
                        ds + begin * (k / 32), dsh + begin * (k / 16));
-      kvp::offsets_into_sums(q + begin * k, end - begin, k, off4 + begin * (k / 32),
-                             off6 + begin * (k / 16));
+      if (offsets)
+        kvp::offsets_into_sums(q + begin * k, end - begin, k, off4 + begin * (k / 32),
+                               off6 + begin * (k / 16));
     });
     act = {q, d, ds, dsh, off4, off6, k};
   }
@@ -279,8 +283,9 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
     for (int64_t m0 = 0; m0 < m; m0 += kRowBlock) {
       const int64_t mb = std::min(kRowBlock, m - m0);
       const kvp::Q8Rows block{act.q + m0 * k, act.d + m0 * (k / 32), act.ds + m0 * (k / 32),
-                              act.dsh + m0 * (k / 16), act.off4 + m0 * (k / 32),
-                              act.off6 + m0 * (k / 16), k};
+                              act.dsh + m0 * (k / 16),
+                              act.off4 ? act.off4 + m0 * (k / 32) : nullptr,
+                              act.off6 ? act.off6 + m0 * (k / 16) : nullptr, k};
       for (int64_t i = begin; i < end; ++i) {
         const Task& task = tasks[i];
         if (!task.integer) continue;
