@@ -174,6 +174,35 @@ def test_packed_products_equal_the_row_kernels(qtype, variant):
     assert ops.quant_packs(tid, variant) == (variant != "generic")
 
 
+@pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
+@pytest.mark.parametrize("rows", [1, 5, 130])  # 130: two blocks of activation rows
+def test_products_are_the_same_on_any_number_of_threads(rows, variant):
+    """Threads take runs of tiles from a shared counter, so which thread computes which
+    outputs changes from call to call; the outputs do not: bit for bit the same on 1 to 4
+    threads (more threads than this machine's cores included), for integer, float and
+    bf16-tile products of packed and row-layout parts of different formats in one call."""
+    specs = [("Q4_0", 72, True), ("Q6_K", 40, True), ("Q4_K", 24, False), ("Q8_0", 48, True)]
+    raws, tids = [], []
+    for i, (qtype, n, pack) in enumerate(specs):
+        raw, tid = blocks(qtype, n, 512, seed=10 + i), TYPES[qtype][0]
+        if pack and ops.quant_packs(tid, variant):
+            raw, tid = ops.quant_pack(raw, tid), tid | PACKED
+        raws.append(raw)
+        tids.append(tid)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    threads = torch.get_num_threads()
+    try:
+        for mode in (0, 1, 2):
+            for dtype in (torch.float32, torch.bfloat16):
+                got = []
+                for n in (1, 2, 3, 4):
+                    torch.set_num_threads(n)
+                    got.append(ops.quant_matmul(x.to(dtype), raws, tids, mode, variant, True))
+                assert all(torch.equal(g, got[0]) for g in got[1:]), (mode, dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("rows", [1, 32, 1100])  # scratch buffers; then allocated ones
 @pytest.mark.parametrize("mode", [0, 1])
 def test_products_in_bf16_round_once_as_torch_does(rows, mode):

@@ -15,8 +15,9 @@
 //           in float32 gives, up to the order of the sums (the exact reference);
 //   mode 2: as 1, the tiles and activations rounded to bfloat16 for the product (for
 //           large steps on CPUs with bf16 products in hardware).
-// Work is split over tiles of weight rows; each thread dequantizes or unpacks only its
-// own rows, so no dequantized copy of a matrix ever exists.
+// Work is split over tiles of weight rows, which the threads take in runs from a shared
+// counter (a thread slowed by its core's other work takes fewer); each thread dequantizes
+// or unpacks only the rows it takes, so no dequantized copy of a matrix ever exists.
 //
 // A part's type may carry kPacked: its tensor then holds the packed layout of
 // quant_packed.h, [rows / 8, 8 * bytes per row] (quant_pack makes it).
@@ -24,6 +25,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -91,6 +94,8 @@ constexpr int64_t kIntTile = 16;     // weight rows per task, integer products
 constexpr int64_t kFloatTile = 64;   // weight rows per task, float products (dequantized)
 constexpr int64_t kRowBlock = 128;   // activation rows per pass (they stay in cache)
 constexpr int64_t kGemmRows = 16;    // from this many activation rows, float tiles use at::mm
+constexpr int64_t kRunsPerThread = 16;  // runs of work items a thread takes, on average
+constexpr int64_t kQuantizeValues = 1 << 14;  // activation values quantized per thread, at least
 
 }  // namespace
 
@@ -237,7 +242,8 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
     float* dsh = ds + m * (k / 32);
     int32_t* off4 = offsets ? buffer_for(o_scratch, o_keep, m * (k / 32) * 3, at::kInt) : nullptr;
     int32_t* off6 = offsets ? off4 + m * (k / 32) : nullptr;
-    at::parallel_for(0, m, 64, [&](int64_t begin, int64_t end) {
+    const int64_t grain = std::max<int64_t>(1, kQuantizeValues / k);
+    at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
       t->quantize_rows(xp + begin * k, end - begin, k, q + begin * k, d + begin * (k / 32),
                        ds + begin * (k / 32), dsh + begin * (k / 16));
       if (offsets)
@@ -247,21 +253,24 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
     act = {q, d, ds, dsh, off4, off6, k};
   }
 
-  // Tasks: (part, first row, rows), integer tiles and float tiles apart (packed parts in
-  // whole groups of 8 rows).
-  struct Task { int part; int64_t row, rows; bool integer; };
-  std::vector<Task> tasks;
+  // Work items: each float tile (dequantized once, then multiplied with every row), then
+  // each integer tile for each block of activation rows (a block's rows stay in cache
+  // across its tiles). Packed parts' tiles are whole groups of 8 rows.
+  struct Task { int part; int64_t row, rows; };
+  std::vector<Task> float_tasks, int_tasks;
   for (size_t i = 0; i < parts.size(); ++i) {
     const bool integer = integer_for(parts[i]);
     const int64_t tile = integer ? kIntTile : kFloatTile;
     for (int64_t r = 0; r < parts[i].rows; r += tile)
-      tasks.push_back({static_cast<int>(i), r, std::min(tile, parts[i].rows - r), integer});
+      (integer ? int_tasks : float_tasks)
+          .push_back({static_cast<int>(i), r, std::min(tile, parts[i].rows - r)});
   }
-  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer;
-    for (int64_t i = begin; i < end; ++i) {  // float tiles: dequantized once, all rows
-      const Task& task = tasks[i];
-      if (task.integer) continue;
+  const int64_t n_float = float_tasks.size(), n_int = int_tasks.size();
+  const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t items = n_float + row_blocks * n_int;
+  auto run_item = [&](int64_t i, std::vector<float>& buffer) {
+    if (i < n_float) {
+      const Task& task = float_tasks[i];
       const Part& p = parts[task.part];
       buffer.resize(task.rows * k);
       dequantize_part(t, p, task.row, task.rows, k, buffer.data());
@@ -278,29 +287,39 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
       } else {
         t->float_dot(buffer.data(), k, task.rows, xp, m, k, out, n_total);
       }
+      return;
     }
-    // integer tiles: activation rows in blocks that stay in cache across the tiles
-    for (int64_t m0 = 0; m0 < m; m0 += kRowBlock) {
-      const int64_t mb = std::min(kRowBlock, m - m0);
-      const kvp::Q8Rows block{act.q + m0 * k, act.d + m0 * (k / 32), act.ds + m0 * (k / 32),
-                              act.dsh + m0 * (k / 16),
-                              act.off4 ? act.off4 + m0 * (k / 32) : nullptr,
-                              act.off6 ? act.off6 + m0 * (k / 16) : nullptr, k};
-      for (int64_t i = begin; i < end; ++i) {
-        const Task& task = tasks[i];
-        if (!task.integer) continue;
-        const Part& p = parts[task.part];
-        float* out = yp + m0 * n_total + p.offset + task.row;
-        if (p.packed) {
-          const int64_t group_bytes = kvp::group_bytes(p.type, k);
-          t->packed_dot(p.type, p.raw + task.row / kvp::kGroup * group_bytes, group_bytes,
-                        task.rows / kvp::kGroup, &block, mb, out, n_total);
-        } else {
-          t->int_dot(p.type, p.raw + task.row * p.row_bytes, p.row_bytes, task.rows, &block, mb,
-                     out, n_total);
-        }
-      }
+    const int64_t m0 = (i - n_float) / n_int * kRowBlock;
+    const Task& task = int_tasks[(i - n_float) % n_int];
+    const int64_t mb = std::min(kRowBlock, m - m0);
+    const kvp::Q8Rows block{act.q + m0 * k, act.d + m0 * (k / 32), act.ds + m0 * (k / 32),
+                            act.dsh + m0 * (k / 16),
+                            act.off4 ? act.off4 + m0 * (k / 32) : nullptr,
+                            act.off6 ? act.off6 + m0 * (k / 16) : nullptr, k};
+    const Part& p = parts[task.part];
+    float* out = yp + m0 * n_total + p.offset + task.row;
+    if (p.packed) {
+      const int64_t group_bytes = kvp::group_bytes(p.type, k);
+      t->packed_dot(p.type, p.raw + task.row / kvp::kGroup * group_bytes, group_bytes,
+                    task.rows / kvp::kGroup, &block, mb, out, n_total);
+    } else {
+      t->int_dot(p.type, p.raw + task.row * p.row_bytes, p.row_bytes, task.rows, &block, mb, out,
+                 n_total);
     }
+  };
+  // Threads take runs of consecutive items from a shared counter until none are left,
+  // not a fixed share each: a thread slowed by anything else on its core (a busy
+  // neighbour, a hypervisor's other guests) takes fewer, and the step ends when the last
+  // run does. Each output is computed by one item in a fixed order, so the results do
+  // not depend on which thread took it.
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t run = std::max<int64_t>(1, items / (threads * kRunsPerThread));
+  const int64_t workers = std::min(threads, (items + run - 1) / run);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> buffer;
+    for (int64_t begin; (begin = next.fetch_add(run)) < items;)
+      for (int64_t i = begin; i < std::min(items, begin + run); ++i) run_item(i, buffer);
   });
   if (bf16_out) convert(yp, y.data_ptr<at::BFloat16>(), m * n_total);
   return y;
