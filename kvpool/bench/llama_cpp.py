@@ -77,9 +77,11 @@ def serve(
     prompts: dict[int, list[list[int]]],
     decode: int,
     kv_tokens: int,
+    repeats: int = 3,
 ) -> dict:
     """Aggregate decode tokens/s at each batch size through ``llama-server`` (one slot per
-    stream, a context of ``kv_tokens`` shared by the slots), and its peak memory."""
+    stream, a context of ``kv_tokens`` shared by the slots), the best of ``repeats`` runs,
+    and its peak memory."""
     port = _free_port()
     slots = max(batches, default=1)
     proc = subprocess.Popen(
@@ -104,7 +106,7 @@ def serve(
             time.sleep(0.2)
         result = {}
         for batch in batches:  # (none: only the peak memory of the loaded server)
-            rates = [asyncio.run(_decode_rate(url, prompts[batch], decode)) for _ in range(2)]
+            rates = [asyncio.run(_decode_rate(url, prompts[batch], decode)) for _ in range(repeats)]
             result[f"decode_b{batch}_tok_s"] = max(rates)
         result["peak_rss_mib"] = _peak_rss_mib(proc.pid)
         return result

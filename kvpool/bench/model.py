@@ -48,7 +48,10 @@ def _prompts(batch: int, length: int, vocab: int = 40003) -> list[list[int]]:
 
 
 def _rates(run) -> dict[str, float]:
-    """Prefill and decode rates, each the median of ``REPEATS`` measurements.
+    """Prefill and decode rates from ``REPEATS`` measurements each: the median for
+    prefill and batch-1 decode (llama.cpp's side: ``llama-bench``'s mean of its
+    repetitions), the best for larger batches (llama.cpp's side: the best of as many
+    runs through ``llama-server``), so that both sides' figures are the same statistic.
     ``run(batch, prompt_len, new_tokens)`` returns (seconds to the first token, seconds
     of the decode steps after it). Both sides first run the prefill shape a few times
     unmeasured, as any warm-up: kvpool's thread policy makes its first trials of a kind
@@ -60,10 +63,10 @@ def _rates(run) -> dict[str, float]:
     prefill = (PREFILL / run(1, PREFILL, 1)[0] for _ in range(REPEATS))
     out = {"prefill_tok_s": statistics.median(prefill)}
     for batch in BATCHES:
-        rates = (
+        rates = [
             batch * DECODE_STEPS / run(batch, PROMPT, DECODE_STEPS + 1)[1] for _ in range(REPEATS)
-        )
-        out[f"decode_b{batch}_tok_s"] = statistics.median(rates)
+        ]
+        out[f"decode_b{batch}_tok_s"] = statistics.median(rates) if batch == 1 else max(rates)
     return out
 
 
@@ -194,7 +197,7 @@ def _llama_cpp_side(bin_dir, model: str | None) -> dict[str, float]:
     prompts = {b: _prompts(b, PROMPT, min(config.vocab_size, 40003)) for b in BATCHES}
     served = llama_cpp.serve(
         bin_dir, path, threads, tuple(b for b in BATCHES if b > 1), prompts, DECODE_STEPS,
-        kv_tokens(),
+        kv_tokens(), REPEATS,
     )  # fmt: skip
     figures.update(served)
     figures["load_s"] = float("nan")
