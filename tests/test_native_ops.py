@@ -158,6 +158,57 @@ def test_fused_ops_reject_bad_input():
         ops.rope_write_kv(torch.zeros(1, 10), trig, trig, layer_kv, torch.tensor([0]), 1)
 
 
+@pytest.mark.parametrize("n", [1, 3, 15, 16, 17, 33, 1000, 128256])
+def test_argmax_rows_is_torchs_argmax(n):
+    """Greedy decoding's argmax: the first index of the largest value (ties: the first),
+    a NaN above every number (the first NaN), rows of -inf and +inf, -0.0 beside 0.0,
+    the largest value in the vector lanes or in the tail; on 1 to 3 threads."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(24, n, generator=gen)
+    x[1] = 0.5  # all equal: index 0
+    x[2] = float("-inf")
+    if n > 1:
+        x[3, n // 2] = x[3, n - 1] = 9.0  # a tie
+        x[4, n - 1] = float("nan")  # NaN last, a larger number before it
+        x[4, 0] = 99.0
+        x[5, [0, n - 1]] = float("nan")
+        x[6, n // 3] = float("inf")
+        x[7] = -0.0
+        x[7, n - 1] = 0.0  # equal to -0.0: index 0
+        x[8, n - 1] = 50.0  # the largest in the tail past the lanes
+    x[9] = float("nan")
+    x[10, 0] = 50.0
+    sanity = torch.randn(5, n, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            assert ops.argmax_rows(x).tolist() == x.argmax(-1).tolist()
+            assert ops.argmax_rows(sanity[1:4]).tolist() == sanity[1:4].argmax(-1).tolist()
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.argmax_rows(x.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="at least one"):
+        ops.argmax_rows(torch.zeros(2, 0))
+
+
+def test_the_sampler_takes_the_native_argmax_for_greedy_rows(monkeypatch):
+    """Greedy rows of a batch take their tokens from the native argmax where it is
+    built; a row of NaN still gets torch's answer."""
+    from kvpool.engine import sampling
+
+    calls = []
+    real = ops.argmax_rows
+    monkeypatch.setattr(ops, "argmax_rows", lambda x: calls.append(x.shape) or real(x))
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(2))
+    logits[2] = float("nan")
+    assert sampling.argmax_rows(logits) == logits.argmax(-1).tolist()
+    assert calls == [(4, 300)]
+    assert sampling.argmax_rows(logits.double()) == logits.argmax(-1).tolist()  # torch's
+    assert calls == [(4, 300)]
+
+
 @pytest.fixture(scope="module")
 def bf16_model(default_model_file):
     from kvpool.model.gguf_weights import load_gguf_weights

@@ -82,6 +82,7 @@ def _ours(dtype: str | None, model: str | None) -> dict[str, float]:
 
     from kvpool.cache import KVCacheManager
     from kvpool.engine.config import DEFAULTS
+    from kvpool.engine.sampling import argmax_rows
     from kvpool.model.loader import load_model
     from kvpool.model.runner import SeqChunk
 
@@ -116,7 +117,7 @@ def _ours(dtype: str | None, model: str | None) -> dict[str, float]:
         first = time.perf_counter()
         for _ in range(new_tokens - 1):
             chunks = []
-            for b, token in enumerate(logits.argmax(-1).tolist()):  # greedy, as theirs
+            for b, token in enumerate(argmax_rows(logits)):  # greedy, as theirs
                 pos = manager.num_tokens(b)
                 manager.append(b, [token])
                 chunks.append(SeqChunk([token], pos, manager.block_table(b)))

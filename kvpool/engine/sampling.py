@@ -139,6 +139,20 @@ class SamplingParams:
         return torch.Generator().manual_seed(seed_bits(self.seed))
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax, as ``logits.argmax(-1)`` gives it (the first index of the
+    largest value; a NaN counts above every number): natively for float32 rows on the
+    CPU where the native ops are built (torch's reduction takes ~5 ms over 32 rows of a
+    128,256-token vocabulary, the native one ~1 ms; tests compare the two)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        from kvpool.model.native import native_ops
+
+        ops = native_ops()
+        if ops is not None and logits.shape[1] > 0:
+            return ops.argmax_rows(logits).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         self.generator = torch.Generator()
@@ -222,7 +236,7 @@ class Sampler:
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if greedy:  # one argmax for all greedy rows (ties: the first index, as per row)
             rows = logits if len(greedy) == batch else logits[greedy]
-            for i, token in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
+            for i, token in zip(greedy, argmax_rows(rows), strict=True):
                 out[i] = token
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled_rows:

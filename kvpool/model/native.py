@@ -12,6 +12,8 @@
 - ``quant_matmul`` multiplies by weights kept in GGUF's quantized blocks (integer
   products from int8-quantized activations, or float products from weights dequantized
   tile by tile), ``quant_dequantize`` dequantizes rows.
+- ``argmax_rows``: each row's argmax as torch's gives it (greedy decoding's pick over a
+  whole vocabulary, a few times faster than torch's reduction).
 
 The kernels are compiled once per instruction set (``isa_*.cpp``: AVX-512 with BF16,
 AVX-512 with VNNI, AVX2, generic C++) into one module, and the fastest this CPU runs is

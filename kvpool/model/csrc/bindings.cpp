@@ -13,6 +13,7 @@ at::Tensor add_rms_norm_(at::Tensor& x, const c10::optional<at::Tensor>& y, cons
                          double eps);
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,
                          at::Tensor& layer_kv, const at::Tensor& slots, int64_t num_heads);
+at::Tensor argmax_rows(const at::Tensor& x);
 std::vector<std::string> kernel_variants();
 at::Tensor quant_dequantize(const at::Tensor& raw, int64_t qtype, int64_t k, const std::string& isa,
                             const c10::optional<at::Tensor>& rows);
@@ -38,6 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x += y in place (y optional), then RMSNorm of x times weight, returned");
   m.def("rope_write_kv", &rope_write_kv,
         "rotary embedding of Q and K, K and V written to the store's slots; returns Q");
+  m.def("argmax_rows", &argmax_rows,
+        "each row's argmax as torch.argmax(x, -1) gives it (first index; NaN counts highest)");
   m.def("kernel_variants", &kernel_variants, "the kernel variants this CPU runs, fastest first");
   m.def("quant_dequantize", &quant_dequantize, "rows of GGUF blocks to float32 [rows, K]",
         py::arg("raw"), py::arg("qtype"), py::arg("k"), py::arg("variant") = "",
