@@ -143,7 +143,7 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     """Each row's argmax, as ``logits.argmax(-1)`` gives it (the first index of the
     largest value; a NaN counts above every number): natively for float32 rows on the
     CPU where the native ops are built (torch's reduction takes ~5 ms over 32 rows of a
-    128,256-token vocabulary, the native one ~1 ms; tests compare the two)."""
+    128,256-token vocabulary, the native one 1-2 ms; tests compare the two)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
         from kvpool.model.native import native_ops
 
