@@ -136,13 +136,42 @@ def test_rope_write_kv_matches_the_torch_form(fp32_model, dtype, tokens):
     want_q = fp32_model._rope_write_kv(qkv, cos, sin_signed, stores[0], 3, slots)
     got_q = ops.rope_write_kv(qkv, cos, sin_signed, stores[1].layers[3], slots, cfg.num_heads)
     assert got_q.shape == want_q.shape
-    if dtype == torch.bfloat16:  # every product and sum rounded where torch rounds
-        assert torch.equal(got_q, want_q)
-        assert torch.equal(stores[1].layers[3], stores[0].layers[3])
-    else:  # a fused multiply-add may round once where torch rounds twice
-        assert torch.allclose(got_q, want_q, atol=1e-6, rtol=0)
-        assert torch.allclose(stores[1].layers[3], stores[0].layers[3], atol=1e-6, rtol=0)
+    # every product and sum rounded where torch rounds (no fused multiply-adds)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(stores[1].layers[3], stores[0].layers[3])
     assert stores[1].layers[2].abs().sum() == 0  # other layers untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", ops.kernel_variants() if ops is not None else [])
+def test_row_kernels_of_each_variant_equal_the_generic_ones(dtype, variant):
+    """The norm and the rotation run as the CPU's fastest row kernels; every variant this
+    CPU runs gives the portable one's values bit for bit (widths that leave remainders at
+    every vector size: 2050 features, head dims of 80 and 64; specials included)."""
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(37, 2050, generator=gen) * 3).to(dtype)
+    x[0, :3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    y = torch.randn(37, 2050, generator=gen).to(dtype)
+    weight = torch.randn(2050, generator=gen).to(dtype)
+    got_x, want_x = x.clone(), x.clone()
+    got = ops.add_rms_norm_(got_x, y, weight, 1e-5, variant=variant)
+    want = ops.add_rms_norm_(want_x, y, weight, 1e-5, variant="generic")
+    assert _same_bits(got_x, want_x) and _same_bits(got, want)
+    assert got[0].isnan().all()  # (a NaN in a row makes the whole row's norm NaN)
+    for dim, heads, kv_heads in ((80, 4, 2), (64, 6, 3)):
+        qkv = (torch.randn(9, (heads + 2 * kv_heads) * dim, generator=gen) * 5).to(dtype)
+        cos, sin = (torch.randn(9, 1, dim, generator=gen).to(dtype) for _ in range(2))
+        slots = torch.arange(9) * 3
+        stores = [torch.zeros(2 * kv_heads, 32, dim, dtype=dtype) for _ in range(2)]
+        q_got = ops.rope_write_kv(qkv, cos, sin, stores[0], slots, heads, variant=variant)
+        q_want = ops.rope_write_kv(qkv, cos, sin, stores[1], slots, heads, variant="generic")
+        assert _same_bits(q_got, q_want) and _same_bits(stores[0], stores[1])
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaNs included, which torch.equal counts unequal)."""
+    as_int = torch.int16 if a.element_size() == 2 else torch.int32
+    return torch.equal(a.view(as_int), b.view(as_int))
 
 
 def test_fused_ops_reject_bad_input():

@@ -10,9 +10,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& layer_kv,
                            const at::Tensor& query_start, int64_t block_size, double scale,
                            const std::string& variant);
 at::Tensor add_rms_norm_(at::Tensor& x, const c10::optional<at::Tensor>& y, const at::Tensor& weight,
-                         double eps);
+                         double eps, const std::string& variant);
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,
-                         at::Tensor& layer_kv, const at::Tensor& slots, int64_t num_heads);
+                         at::Tensor& layer_kv, const at::Tensor& slots, int64_t num_heads,
+                         const std::string& variant);
 at::Tensor argmax_rows(const at::Tensor& x);
 std::vector<std::string> kernel_variants();
 at::Tensor quant_dequantize(const at::Tensor& raw, int64_t qtype, int64_t k, const std::string& isa,
@@ -36,9 +37,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query_start"), py::arg("block_size"), py::arg("scale"),
         py::arg("variant") = "");
   m.def("add_rms_norm_", &add_rms_norm_,
-        "x += y in place (y optional), then RMSNorm of x times weight, returned");
+        "x += y in place (y optional), then RMSNorm of x times weight, returned", py::arg("x"),
+        py::arg("y"), py::arg("weight"), py::arg("eps"), py::arg("variant") = "");
   m.def("rope_write_kv", &rope_write_kv,
-        "rotary embedding of Q and K, K and V written to the store's slots; returns Q");
+        "rotary embedding of Q and K, K and V written to the store's slots; returns Q",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin_signed"), py::arg("layer_kv"),
+        py::arg("slots"), py::arg("num_heads"), py::arg("variant") = "");
   m.def("argmax_rows", &argmax_rows,
         "each row's argmax as torch.argmax(x, -1) gives it (first index; NaN counts highest)");
   m.def("kernel_variants", &kernel_variants, "the kernel variants this CPU runs, fastest first");

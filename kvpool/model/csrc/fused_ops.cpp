@@ -5,8 +5,10 @@
 //
 // Each computes what the torch path computes, rounded to the tensor's dtype at the same
 // points, so bf16 results are bit-identical to it (the RMSNorm's sum of squares may add
-// in another order: within one rounding); float32 ones may differ in the last bit where
-// the compiler fuses a multiply and an add.
+// in another order: within one rounding), float32 ones too (no fused multiply-adds). The
+// row-wise arithmetic is the row kernels' (row_kernels.h), per instruction set, chosen at
+// run time like the other kernels (``variant``: "" for the fastest this CPU runs); this
+// file checks the tensors and splits the rows over threads.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,63 +17,31 @@
 
 #include <algorithm>
 #include <cstring>
+#include <cmath>
+#include <string>
+#include <type_traits>
 #include <vector>
 
-#include <cmath>
+#include "isa_select.h"
 
 namespace {
 
 inline float f32(float x) { return x; }
 inline float f32(c10::BFloat16 x) { return static_cast<float>(x); }
 
-// x += y (rounded to T, as torch's add); h = x * rsqrt(mean(x^2) + eps) * w, computed in
-// float32 and rounded once (as torch's rms_norm). Without y, only the norm.
-template <typename T>
-void add_rms_norm_impl(at::Tensor& x, const T* y, const at::Tensor& w, double eps, at::Tensor& h) {
-  const int64_t rows = x.size(0), n = x.size(1);
-  T* xp = x.data_ptr<T>();
-  const T* wp = w.data_ptr<T>();
-  T* hp = h.data_ptr<T>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      T* xr = xp + r * n;
-      if (y != nullptr) {
-        const T* yr = y + r * n;
-        for (int64_t i = 0; i < n; ++i) xr[i] = static_cast<T>(f32(xr[i]) + f32(yr[i]));
-      }
-      float part[16] = {0.f};  // partial sums apart: vectorized, and a shorter chain
-      int64_t i = 0;
-      for (; i + 16 <= n; i += 16)
-        for (int l = 0; l < 16; ++l) part[l] += f32(xr[i + l]) * f32(xr[i + l]);
-      for (; i < n; ++i) part[i % 16] += f32(xr[i]) * f32(xr[i]);
-      float squares = 0.f;
-      for (int l = 0; l < 16; ++l) squares += part[l];
-      const float rstd = 1.f / std::sqrt(squares / n + static_cast<float>(eps));
-      T* hr = hp + r * n;
-      for (int64_t i = 0; i < n; ++i) hr[i] = static_cast<T>(f32(xr[i]) * rstd * f32(wp[i]));
-    }
-  });
-}
-
-// Element i of a head row x rotated: x * cos + rotate_half(x) * sin_signed, each product
-// and the sum rounded to T (as the torch path rounds).
-template <typename T>
-inline T rotated(const T* x, const T* c, const T* s, int64_t i, int64_t half) {
-  const T a = static_cast<T>(f32(x[i]) * f32(c[i]));
-  const T b = static_cast<T>(f32(x[i < half ? i + half : i - half]) * f32(s[i]));
-  return static_cast<T>(f32(a) + f32(b));
-}
+// Whether T's tensors reach the row kernels as bf16 bits.
+template <typename T> constexpr bool kBf16 = std::is_same_v<T, c10::BFloat16>;
 
 // Rotary embedding of Q and K in the half-split layout (x * cos + rotate_half(x) * sin,
 // with the sign in sin_signed; each product and the sum rounded to T), K and V written to
 // the store at each token's slot; Q returned as [T, num_heads, head_dim].
 template <typename T>
-void rope_write_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,
-                        at::Tensor& layer_kv, const at::Tensor& slots, int64_t num_heads,
-                        at::Tensor& q) {
+void rope_write_kv_impl(const kvp::RowKernels* k, const at::Tensor& qkv, const at::Tensor& cos,
+                        const at::Tensor& sin_signed, at::Tensor& layer_kv, const at::Tensor& slots,
+                        int64_t num_heads, at::Tensor& q) {
   const int64_t tokens = qkv.size(0), width = qkv.size(1);
   const int64_t kv_heads = layer_kv.size(0) / 2, store_slots = layer_kv.size(1);
-  const int64_t dim = layer_kv.size(2), half = dim / 2;
+  const int64_t dim = layer_kv.size(2);
   const T* src = qkv.data_ptr<T>();
   const T* c = cos.data_ptr<T>();
   const T* s = sin_signed.data_ptr<T>();
@@ -87,7 +57,7 @@ void rope_write_kv_impl(const at::Tensor& qkv, const at::Tensor& cos, const at::
         const T* x = row + h * dim;
         T* dst = h < num_heads ? q_out + (t * num_heads + h) * dim
                                : store + ((h - num_heads) * store_slots + slot[t]) * dim;
-        for (int64_t i = 0; i < dim; ++i) dst[i] = rotated(x, ct, st, i, half);
+        k->rotate(kBf16<T>, x, ct, st, dim, dst);
       }
       const T* v = row + (num_heads + kv_heads) * dim;
       for (int64_t h = 0; h < kv_heads; ++h) {
@@ -137,10 +107,10 @@ void write_row(uint8_t* dst, const float* x, int64_t dim, at::ScalarType type) {
 // rope_write_kv_impl for a store whose element type is not T: each K row is rotated as
 // there (the same roundings to T), then converted by write_row.
 template <typename T>
-void rope_write_kv_convert(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,
-                           at::Tensor& layer_kv, const at::Tensor& slots, int64_t num_heads,
-                           int64_t dim, at::Tensor& q) {
-  const int64_t tokens = qkv.size(0), width = qkv.size(1), half = dim / 2;
+void rope_write_kv_convert(const kvp::RowKernels* k, const at::Tensor& qkv, const at::Tensor& cos,
+                           const at::Tensor& sin_signed, at::Tensor& layer_kv,
+                           const at::Tensor& slots, int64_t num_heads, int64_t dim, at::Tensor& q) {
+  const int64_t tokens = qkv.size(0), width = qkv.size(1);
   const int64_t kv_heads = layer_kv.size(0) / 2, store_slots = layer_kv.size(1);
   const int64_t row_bytes = layer_kv.size(2) * layer_kv.element_size();
   const auto type = layer_kv.scalar_type();
@@ -152,19 +122,20 @@ void rope_write_kv_convert(const at::Tensor& qkv, const at::Tensor& cos, const a
   T* q_out = q.data_ptr<T>();
   at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> row(dim);
+    std::vector<T> rotated_k(dim);
     for (int64_t t = begin; t < end; ++t) {
       const T* in = src + t * width;
       const T* ct = c + t * dim;
       const T* st = s + t * dim;
       for (int64_t h = 0; h < num_heads + kv_heads; ++h) {
         const T* x = in + h * dim;
-        T* qd = h < num_heads ? q_out + (t * num_heads + h) * dim : nullptr;
-        for (int64_t i = 0; i < dim; ++i) {
-          const T v = rotated(x, ct, st, i, half);
-          if (qd != nullptr) qd[i] = v; else row[i] = f32(v);
+        if (h < num_heads) {
+          k->rotate(kBf16<T>, x, ct, st, dim, q_out + (t * num_heads + h) * dim);
+          continue;
         }
-        if (qd == nullptr)
-          write_row(store + ((h - num_heads) * store_slots + slot[t]) * row_bytes, row.data(), dim, type);
+        k->rotate(kBf16<T>, x, ct, st, dim, rotated_k.data());
+        for (int64_t i = 0; i < dim; ++i) row[i] = f32(rotated_k[i]);
+        write_row(store + ((h - num_heads) * store_slots + slot[t]) * row_bytes, row.data(), dim, type);
       }
       const T* v = in + (num_heads + kv_heads) * dim;
       for (int64_t h = 0; h < kv_heads; ++h) {
@@ -184,7 +155,7 @@ void check_rows(const at::Tensor& t, const char* name) {
 }  // namespace
 
 at::Tensor add_rms_norm_(at::Tensor& x, const c10::optional<at::Tensor>& y, const at::Tensor& weight,
-                         double eps) {
+                         double eps, const std::string& variant) {
   check_rows(x, "x");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
               weight.scalar_type() == x.scalar_type(), "weight: [features] of x's dtype");
@@ -192,17 +163,24 @@ at::Tensor add_rms_norm_(at::Tensor& x, const c10::optional<at::Tensor>& y, cons
     check_rows(*y, "y");
     TORCH_CHECK(y->sizes() == x.sizes() && y->scalar_type() == x.scalar_type(), "y: x's shape and dtype");
   }
+  const auto* k = kvp::variant(variant).rows;
   auto h = at::empty_like(x);
-  if (x.scalar_type() == at::kFloat) {
-    add_rms_norm_impl<float>(x, y ? y->data_ptr<float>() : nullptr, weight, eps, h);
-  } else {
-    add_rms_norm_impl<c10::BFloat16>(x, y ? y->data_ptr<c10::BFloat16>() : nullptr, weight, eps, h);
-  }
+  const int64_t n = x.size(1), size = x.element_size();
+  auto* xp = static_cast<uint8_t*>(x.data_ptr());
+  const auto* yp = y.has_value() ? static_cast<const uint8_t*>(y->data_ptr()) : nullptr;
+  auto* hp = static_cast<uint8_t*>(h.data_ptr());
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+    const int64_t at = begin * n * size;
+    k->add_rms_norm(bf16, xp + at, yp ? yp + at : nullptr, weight.data_ptr(), end - begin, n,
+                    static_cast<float>(eps), hp + at);
+  });
   return h;
 }
 
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,
-                         at::Tensor& layer_kv, const at::Tensor& slots, int64_t num_heads) {
+                         at::Tensor& layer_kv, const at::Tensor& slots, int64_t num_heads,
+                         const std::string& variant) {
   check_rows(qkv, "qkv");
   const auto kv_type = layer_kv.scalar_type();
   const bool same = kv_type == qkv.scalar_type();
@@ -225,13 +203,14 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   const int64_t* s = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(s[t] >= 0 && s[t] < layer_kv.size(1), "slot out of the store");
+  const auto* k = kvp::variant(variant).rows;
   auto q = at::empty({tokens, num_heads, dim}, qkv.options());
   if (qkv.scalar_type() == at::kFloat) {
-    if (same) rope_write_kv_impl<float>(qkv, cos, sin_signed, layer_kv, slots, num_heads, q);
-    else rope_write_kv_convert<float>(qkv, cos, sin_signed, layer_kv, slots, num_heads, dim, q);
+    if (same) rope_write_kv_impl<float>(k, qkv, cos, sin_signed, layer_kv, slots, num_heads, q);
+    else rope_write_kv_convert<float>(k, qkv, cos, sin_signed, layer_kv, slots, num_heads, dim, q);
   } else {
-    if (same) rope_write_kv_impl<c10::BFloat16>(qkv, cos, sin_signed, layer_kv, slots, num_heads, q);
-    else rope_write_kv_convert<c10::BFloat16>(qkv, cos, sin_signed, layer_kv, slots, num_heads, dim, q);
+    if (same) rope_write_kv_impl<c10::BFloat16>(k, qkv, cos, sin_signed, layer_kv, slots, num_heads, q);
+    else rope_write_kv_convert<c10::BFloat16>(k, qkv, cos, sin_signed, layer_kv, slots, num_heads, dim, q);
   }
   return q;
 }

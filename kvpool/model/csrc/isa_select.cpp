@@ -31,13 +31,16 @@ const std::vector<Variant>& cpu_variants() {
   static const std::vector<Variant> variants = [] {
     std::vector<Variant> out;
     const Variant all[] = {
-        {"avx512-bf16", kvp_quant_kernels_avx512_bf16(), kvp_attention_kernels_avx512_bf16()},
-        {"avx512-vnni", kvp_quant_kernels_avx512_vnni(), kvp_attention_kernels_avx512_vnni()},
-        {"avx2", kvp_quant_kernels_avx2(), kvp_attention_kernels_avx2()},
+        {"avx512-bf16", kvp_quant_kernels_avx512_bf16(), kvp_attention_kernels_avx512_bf16(),
+         kvp_row_kernels_avx512_bf16()},
+        {"avx512-vnni", kvp_quant_kernels_avx512_vnni(), kvp_attention_kernels_avx512_vnni(),
+         kvp_row_kernels_avx512_vnni()},
+        {"avx2", kvp_quant_kernels_avx2(), kvp_attention_kernels_avx2(), kvp_row_kernels_avx2()},
     };
     for (const auto& v : all)
       if (v.quant != nullptr && has(v.name.c_str())) out.push_back(v);
-    out.push_back({"generic", kvp_quant_kernels_generic(), kvp_attention_kernels_generic()});
+    out.push_back({"generic", kvp_quant_kernels_generic(), kvp_attention_kernels_generic(),
+                   kvp_row_kernels_generic()});
     return out;
   }();
   return variants;

@@ -7,6 +7,7 @@
 
 #include "attention_kernels.h"
 #include "quant_kernels.h"
+#include "row_kernels.h"
 
 namespace kvp {
 
@@ -14,6 +15,7 @@ struct Variant {
   std::string name;
   const QuantKernels* quant;
   const AttentionKernels* attention;
+  const RowKernels* rows;
 };
 
 // The variants this CPU can run, fastest first (the generic one always last).
