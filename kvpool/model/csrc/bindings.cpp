@@ -14,6 +14,7 @@ at::Tensor add_rms_norm_(at::Tensor& x, const c10::optional<at::Tensor>& y, cons
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,
                          at::Tensor& layer_kv, const at::Tensor& slots, int64_t num_heads,
                          const std::string& variant);
+at::Tensor silu_mul(const at::Tensor& gate_up, const std::string& variant);
 at::Tensor argmax_rows(const at::Tensor& x);
 std::vector<std::string> kernel_variants();
 at::Tensor quant_dequantize(const at::Tensor& raw, int64_t qtype, int64_t k, const std::string& isa,
@@ -43,6 +44,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rotary embedding of Q and K, K and V written to the store's slots; returns Q",
         py::arg("qkv"), py::arg("cos"), py::arg("sin_signed"), py::arg("layer_kv"),
         py::arg("slots"), py::arg("num_heads"), py::arg("variant") = "");
+  m.def("silu_mul", &silu_mul,
+        "silu(gate) * up of each row [gate | up], rounded where torch's F.silu(gate) * up "
+        "rounds (exp: the kernels' own, within 2 float32 ulps)", py::arg("gate_up"),
+        py::arg("variant") = "");
   m.def("argmax_rows", &argmax_rows,
         "each row's argmax as torch.argmax(x, -1) gives it (first index; NaN counts highest)");
   m.def("kernel_variants", &kernel_variants, "the kernel variants this CPU runs, fastest first");

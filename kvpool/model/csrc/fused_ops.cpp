@@ -214,3 +214,20 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   }
   return q;
 }
+
+at::Tensor silu_mul(const at::Tensor& gate_up, const std::string& variant) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: [rows, 2 * n] (gate, then up)");
+  const auto* k = kvp::variant(variant).rows;
+  const int64_t n = gate_up.size(1) / 2, size = gate_up.element_size();
+  auto out = at::empty({gate_up.size(0), n}, gate_up.options());
+  const auto* in = static_cast<const uint8_t*>(gate_up.data_ptr());
+  auto* op = static_cast<uint8_t*>(out.data_ptr());
+  const bool bf16 = gate_up.scalar_type() == at::kBFloat16;
+  // rows by the grain of 2^14 values each at least (a thread's start costs microseconds)
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, n));
+  at::parallel_for(0, gate_up.size(0), grain, [&](int64_t begin, int64_t end) {
+    k->silu_mul(bf16, in + begin * 2 * n * size, end - begin, n, op + begin * n * size);
+  });
+  return out;
+}

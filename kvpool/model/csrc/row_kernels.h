@@ -1,5 +1,5 @@
 // The row-wise ops around a layer's matrix products (RMSNorm with the residual add, the
-// rotary embedding), per instruction set (row_kernels.inc, compiled in each isa_*.cpp)
+// rotary embedding, the feed-forward's silu(gate) * up), per instruction set (row_kernels.inc, compiled in each isa_*.cpp)
 // and chosen at run time with the other kernels: compiled for x86-64's baseline alone,
 // their bfloat16 forms ran 3.5x slower than with AVX-512 (the measurements:
 // docs/performance.md). Raw pointers, one thread; fused_ops.cpp checks the tensors and
@@ -28,6 +28,12 @@ struct RowKernels {
   // torch form rounds).
   void (*rotate)(bool bf16, const void* x, const void* cos, const void* sin_signed, int64_t dim,
                  void* dst);
+  // Rows [0, m) of gate_up ([gate (n) | up (n)] each) into out ([m, n]): silu(gate) * up,
+  // silu(g) = g / (1 + exp(-g)) rounded to the element type, then the product rounded
+  // (where torch's F.silu(gate) * up rounds). exp is the kernels' own polynomial
+  // (expf_poly), not torch's: float32 results may differ from torch's in the last bits,
+  // so the float32 model keeps torch's ops.
+  void (*silu_mul)(bool bf16, const void* gate_up, int64_t m, int64_t n, void* out);
 };
 
 }  // namespace kvp
