@@ -13,10 +13,11 @@ namespace kvp {
 // Activations quantized for the integer products: each row's blocks of 32 values as
 // int8 (q = round(x / d)), their scales d, d * sum(q) (for the weight formats with an
 // offset or a minimum) and d * sum(q) of each 16 values (Q6_K's offset, per scale).
-// off4 and off6: the offsets of Q4_0 (8) and Q6_K (32) in the integers, for the AVX2
-// packed kernels, which start their int16 sums there (see offsets_into_sums): -8 times
-// a block's q summed by lane (positions 0, 1 mod 4 and positions 2, 3 mod 4, the two
-// int16 halves of an int32), and -32 times each 16 values' q summed so; null where no
+// off4 and off6: the offsets of Q4_0 (8) and Q6_K (32) in the integers, for the packed
+// kernels that start their integer sums there (QuantKernels::sums_from_offsets): -8 times
+// a block's q summed, and -32 times each 16 values' q summed, in the layout of the
+// kernels' table (QuantKernels::offsets_into_sums: AVX2's by lane, positions 0, 1 mod 4
+// and 2, 3 mod 4 as the two int16 halves of an int32; VNNI's whole); null where no
 // kernel of the product reads them.
 // Rows are k, k / 32, k / 32, k / 16, k / 32 and k / 16 apart.
 struct Q8Rows {
@@ -35,12 +36,11 @@ inline int32_t int16_pair(int32_t a, int32_t b) {
                               (static_cast<uint32_t>(static_cast<uint16_t>(b)) << 16));
 }
 
-// off4 and off6 of m rows of quantized activations (k a multiple of 32), from one pass
-// over each block's lane sums (s[half][lane]). Each fits int16: |8 x 16 x 127| and
-// |32 x 8 x 127| < 32768. Computed only for the kernels that read them
-// (QuantKernels::sums_from_offsets).
-inline void offsets_into_sums(const int8_t* q, int64_t m, int64_t k, int32_t* off4,
-                              int32_t* off6) {
+// off4 and off6 of m rows of quantized activations (k a multiple of 32) as the AVX2
+// packed kernels take them, from one pass over each block's lane sums (s[half][lane]).
+// Each fits int16: |8 x 16 x 127| and |32 x 8 x 127| < 32768.
+inline void offsets_as_lane_pairs(const int8_t* q, int64_t m, int64_t k, int32_t* off4,
+                                  int32_t* off6) {
   for (int64_t b = 0; b < m * (k / 32); ++b) {
     const int8_t* x = q + 32 * b;
     int32_t s[2][2] = {{0, 0}, {0, 0}};
@@ -48,6 +48,20 @@ inline void offsets_into_sums(const int8_t* q, int64_t m, int64_t k, int32_t* of
     off4[b] = int16_pair(-8 * (s[0][0] + s[1][0]), -8 * (s[0][1] + s[1][1]));
     off6[2 * b] = int16_pair(-32 * s[0][0], -32 * s[0][1]);
     off6[2 * b + 1] = int16_pair(-32 * s[1][0], -32 * s[1][1]);
+  }
+}
+
+// off4 and off6 as the VNNI packed kernels take them: whole int32 sums (their int32 lanes
+// sum every position of a row's values), -8 times a block's q summed and -32 times each
+// 16 values'.
+inline void offsets_whole(const int8_t* q, int64_t m, int64_t k, int32_t* off4, int32_t* off6) {
+  for (int64_t b = 0; b < m * (k / 32); ++b) {
+    const int8_t* x = q + 32 * b;
+    int32_t s[2] = {0, 0};
+    for (int i = 0; i < 32; ++i) s[i >> 4] += x[i];
+    off4[b] = -8 * (s[0] + s[1]);
+    off6[2 * b] = -32 * s[0];
+    off6[2 * b + 1] = -32 * s[1];
   }
 }
 
@@ -69,6 +83,10 @@ struct QuantKernels {
   bool (*has_packed_dot)(int t);
   // Does its packed_dot of type t start its integer sums from Q8Rows' off4 / off6?
   bool (*sums_from_offsets)(int t);
+  // off4 and off6 of m quantized rows in this table's layout (offsets_as_lane_pairs or
+  // offsets_whole).
+  void (*offsets_into_sums)(const int8_t* q, int64_t m, int64_t k, int32_t* off4,
+                            int32_t* off6);
   // As int_dot, for n_groups packed groups of 8 rows (group_bytes apart): rows 8 g .. 8 g + 7.
   void (*packed_dot)(int t, const uint8_t* w, int64_t group_bytes, int64_t n_groups,
                      const Q8Rows* a, int64_t m, float* y, int64_t ldy);

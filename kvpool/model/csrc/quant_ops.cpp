@@ -247,8 +247,8 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
       t->quantize_rows(xp + begin * k, end - begin, k, q + begin * k, d + begin * (k / 32),
                        ds + begin * (k / 32), dsh + begin * (k / 16));
       if (offsets)
-        kvp::offsets_into_sums(q + begin * k, end - begin, k, off4 + begin * (k / 32),
-                               off6 + begin * (k / 16));
+        t->offsets_into_sums(q + begin * k, end - begin, k, off4 + begin * (k / 32),
+                             off6 + begin * (k / 16));
     });
     act = {q, d, ds, dsh, off4, off6, k};
   }
