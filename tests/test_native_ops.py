@@ -5,6 +5,7 @@ bf16), and whole prefill and decode steps of the model with and without them."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -17,6 +18,7 @@ from kvpool.cache import KVCacheManager  # noqa: E402
 from kvpool.model.cpu import cpu_features  # noqa: E402
 from kvpool.model.kv_store import PagedKVStore  # noqa: E402
 from kvpool.model.native import native_ops, paged_decode_attention  # noqa: E402
+from kvpool.model.runner import SeqChunk  # noqa: E402
 from tests.paged_runner import Chunk, PagedRunner  # noqa: E402
 
 native = paged_decode_attention()
@@ -102,6 +104,33 @@ def test_op_rejects_tables_that_would_read_out_of_the_store():
         native(q, layer_kv, torch.tensor([[0, 8]]), torch.tensor([20]), 16, 0.125)
     with pytest.raises(RuntimeError, match="context length"):
         native(q, layer_kv, good, torch.tensor([33]), 16, 0.125)
+
+
+def test_a_decode_steps_tensors_are_the_padded_forms(fp32_model):
+    """Single-token steps through the native decode attention build their tensors in a
+    short form: the same values, shapes and dtypes as the general (padded) form's."""
+    rng = random.Random(5)
+    manager = KVCacheManager(256, 16)
+    runner = PagedRunner(fp32_model, manager, threads=None).runner
+    for trial in range(20):
+        chunks = []
+        for _ in range(rng.choice([1, 2, 7, 32])):
+            n = rng.randrange(1, 300)
+            table = rng.sample(range(256), -(-n // 16) + rng.randrange(3))  # spare blocks too
+            chunks.append(SeqChunk([rng.randrange(49000)], n - 1, table))
+        assert runner._native_decode_step([1] * len(chunks))
+        short = runner.build_batch(chunks)
+        q_lens = [1] * len(chunks)
+        ctx_lens = [c.start + 1 for c in chunks]
+        tables = [c.block_table[: -(-ctx // 16)] for c, ctx in zip(chunks, ctx_lens, strict=True)]
+        padded = runner._padded_batch(chunks, tables, q_lens, ctx_lens)
+        for f in dataclasses.fields(padded):
+            a, b = getattr(short, f.name), getattr(padded, f.name)
+            if isinstance(b, torch.Tensor):
+                assert a.dtype == b.dtype and torch.equal(a, b), (trial, f.name)
+            else:
+                assert a == b, (trial, f.name)
+    assert not runner._native_decode_step([1, 2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

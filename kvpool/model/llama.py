@@ -251,7 +251,7 @@ class LlamaModel:
             x = x[rows]
         elif not all_logits:
             x = x[batch.last_index]
-        x = _rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+        _, x = self._add_norm(x.contiguous(), None, self.final_norm)
         logits = self._heavy(self.lm_head, x).float()
         return (logits, x) if return_hidden else logits
 
