@@ -234,9 +234,10 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
     any_int |= integer_for(p);
     offsets |= integer_for(p) && p.packed && t->sums_from_offsets(p.type);
   }
-  kvp::Q8Rows act{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, k};
+  const int64_t ldq = kvp::q_row_stride(k);
+  kvp::Q8Rows act{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, k, ldq};
   if (any_int) {
-    int8_t* q = buffer_for(q_scratch, q_keep, m * k, at::kChar);
+    int8_t* q = buffer_for(q_scratch, q_keep, m * ldq, at::kChar);
     float* d = buffer_for(d_scratch, d_keep, m * (k / 32) * 2 + m * (k / 16), at::kFloat);
     float* ds = d + m * (k / 32);  // then ds, then dsh
     float* dsh = ds + m * (k / 32);
@@ -244,13 +245,14 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
     int32_t* off6 = offsets ? off4 + m * (k / 32) : nullptr;
     const int64_t grain = std::max<int64_t>(1, kQuantizeValues / k);
     at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
-      t->quantize_rows(xp + begin * k, end - begin, k, q + begin * k, d + begin * (k / 32),
-                       ds + begin * (k / 32), dsh + begin * (k / 16));
-      if (offsets)
-        t->offsets_into_sums(q + begin * k, end - begin, k, off4 + begin * (k / 32),
-                             off6 + begin * (k / 16));
+      for (int64_t r = begin; r < end; ++r) {  // (a row at a time: q's rows are ldq apart)
+        t->quantize_rows(xp + r * k, 1, k, q + r * ldq, d + r * (k / 32), ds + r * (k / 32),
+                         dsh + r * (k / 16));
+        if (offsets)
+          t->offsets_into_sums(q + r * ldq, 1, k, off4 + r * (k / 32), off6 + r * (k / 16));
+      }
     });
-    act = {q, d, ds, dsh, off4, off6, k};
+    act = {q, d, ds, dsh, off4, off6, k, ldq};
   }
 
   // Work items: each float tile (dequantized once, then multiplied with every row), then
@@ -292,10 +294,10 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
     const int64_t m0 = (i - n_float) / n_int * kRowBlock;
     const Task& task = int_tasks[(i - n_float) % n_int];
     const int64_t mb = std::min(kRowBlock, m - m0);
-    const kvp::Q8Rows block{act.q + m0 * k, act.d + m0 * (k / 32), act.ds + m0 * (k / 32),
+    const kvp::Q8Rows block{act.q + m0 * ldq, act.d + m0 * (k / 32), act.ds + m0 * (k / 32),
                             act.dsh + m0 * (k / 16),
                             act.off4 ? act.off4 + m0 * (k / 32) : nullptr,
-                            act.off6 ? act.off6 + m0 * (k / 16) : nullptr, k};
+                            act.off6 ? act.off6 + m0 * (k / 16) : nullptr, k, ldq};
     const Part& p = parts[task.part];
     float* out = yp + m0 * n_total + p.offset + task.row;
     if (p.packed) {
