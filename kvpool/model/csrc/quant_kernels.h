@@ -35,9 +35,9 @@ struct Q8Rows {
 // The bytes between rows of Q8Rows::q: k and a cache line. Rows k apart (k a multiple of
 // 2 KiB in most models) put every row's unit u in the same one or two L1 sets, so a pass
 // over many rows evicted its own activations: a line more moves row r r lines along.
-// Measured (Zen 3, one thread, the 1B-class head, Q6_K 128256 x 2048, 32 rows): 0.99x the
-// time at 8 rows a pass, 0.94x at 16, 0.92-0.94x at 32 (which, rows k apart, gained
-// nothing).
+// Measured (Zen 3, one thread, the 1B-class head, Q6_K 128256 x 2048, 32 rows): 0.98-0.99x
+// the time at 8 rows a pass, 0.95-0.96x at 16, 0.92-0.94x at 32 (which, rows k apart,
+// gained nothing).
 inline int64_t q_row_stride(int64_t k) { return k + 64; }
 
 // Two int16 values as the halves of an int32 (a first).
