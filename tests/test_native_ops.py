@@ -120,9 +120,7 @@ def test_a_decode_steps_tensors_are_the_padded_forms(fp32_model):
             chunks.append(SeqChunk([rng.randrange(49000)], n - 1, table))
         assert runner._native_decode_step([1] * len(chunks))
         short = runner.build_batch(chunks)
-        q_lens = [1] * len(chunks)
-        ctx_lens = [c.start + 1 for c in chunks]
-        tables = [c.block_table[: -(-ctx // 16)] for c, ctx in zip(chunks, ctx_lens, strict=True)]
+        q_lens, ctx_lens, tables = runner._step_lists(chunks)
         padded = runner._padded_batch(chunks, tables, q_lens, ctx_lens)
         for f in dataclasses.fields(padded):
             a, b = getattr(short, f.name), getattr(padded, f.name)

@@ -89,13 +89,19 @@ class ModelRunner:
         padded attention: each sequence's attention then takes the same path whatever
         it is batched with (a decode row padded to a prefill chunk's length computed
         other roundings, and wasted the padding)."""
+        q_lens, ctx_lens, tables = self._step_lists(chunks)
+        if self._native_decode_step(q_lens):
+            return self._decode_batch(chunks, tables, ctx_lens)
+        return self._padded_batch(chunks, tables, q_lens, ctx_lens)
+
+    def _step_lists(self, chunks: list[SeqChunk]) -> tuple[list[int], list[int], list[list[int]]]:
+        """Each chunk's new tokens, its context (the new ones included) and the blocks of
+        its table that context fills."""
         bs = self.block_size
         q_lens = [len(c.token_ids) for c in chunks]
         ctx_lens = [c.start + len(c.token_ids) for c in chunks]
         tables = [c.block_table[: -(-ctx // bs)] for c, ctx in zip(chunks, ctx_lens, strict=True)]
-        if self._native_decode_step(q_lens):
-            return self._decode_batch(chunks, tables, ctx_lens)
-        return self._padded_batch(chunks, tables, q_lens, ctx_lens)
+        return q_lens, ctx_lens, tables
 
     def _native_decode_step(self, q_lens: list[int]) -> bool:
         """Whether a step of these chunk lengths is single tokens that all attend through

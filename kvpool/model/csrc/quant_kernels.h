@@ -46,40 +46,45 @@ inline int32_t int16_pair(int32_t a, int32_t b) {
                               (static_cast<uint32_t>(static_cast<uint16_t>(b)) << 16));
 }
 
-// off4 and off6 of m rows of quantized activations (k a multiple of 32) as the AVX2
-// packed kernels take them, from one pass over each block's lane sums (s[half][lane]).
-// Each fits int16: |8 x 16 x 127| and |32 x 8 x 127| < 32768.
-inline void offsets_as_lane_pairs(const int8_t* q, int64_t m, int64_t k, int32_t* off4,
-                                  int32_t* off6) {
-  for (int64_t b = 0; b < m * (k / 32); ++b) {
-    const int8_t* x = q + 32 * b;
-    int32_t s[2][2] = {{0, 0}, {0, 0}};
-    for (int i = 0; i < 32; ++i) s[i >> 4][(i >> 1) & 1] += x[i];
-    off4[b] = int16_pair(-8 * (s[0][0] + s[1][0]), -8 * (s[0][1] + s[1][1]));
-    off6[2 * b] = int16_pair(-32 * s[0][0], -32 * s[0][1]);
-    off6[2 * b + 1] = int16_pair(-32 * s[1][0], -32 * s[1][1]);
+// off4 and off6 of m rows of quantized activations (k a multiple of 32, rows ldq apart)
+// as the AVX2 packed kernels take them, from one pass over each block's lane sums
+// (s[half][lane]). Each fits int16: |8 x 16 x 127| and |32 x 8 x 127| < 32768.
+inline void offsets_as_lane_pairs(const int8_t* q, int64_t m, int64_t k, int64_t ldq,
+                                  int32_t* off4, int32_t* off6) {
+  for (int64_t r = 0, b = 0; r < m; ++r) {
+    for (int64_t u = 0; u < k / 32; ++u, ++b) {
+      const int8_t* x = q + r * ldq + 32 * u;
+      int32_t s[2][2] = {{0, 0}, {0, 0}};
+      for (int i = 0; i < 32; ++i) s[i >> 4][(i >> 1) & 1] += x[i];
+      off4[b] = int16_pair(-8 * (s[0][0] + s[1][0]), -8 * (s[0][1] + s[1][1]));
+      off6[2 * b] = int16_pair(-32 * s[0][0], -32 * s[0][1]);
+      off6[2 * b + 1] = int16_pair(-32 * s[1][0], -32 * s[1][1]);
+    }
   }
 }
 
 // off4 and off6 as the VNNI packed kernels take them: whole int32 sums (their int32 lanes
 // sum every position of a row's values), -8 times a block's q summed and -32 times each
 // 16 values'.
-inline void offsets_whole(const int8_t* q, int64_t m, int64_t k, int32_t* off4, int32_t* off6) {
-  for (int64_t b = 0; b < m * (k / 32); ++b) {
-    const int8_t* x = q + 32 * b;
-    int32_t s[2] = {0, 0};
-    for (int i = 0; i < 32; ++i) s[i >> 4] += x[i];
-    off4[b] = -8 * (s[0] + s[1]);
-    off6[2 * b] = -32 * s[0];
-    off6[2 * b + 1] = -32 * s[1];
+inline void offsets_whole(const int8_t* q, int64_t m, int64_t k, int64_t ldq, int32_t* off4,
+                          int32_t* off6) {
+  for (int64_t r = 0, b = 0; r < m; ++r) {
+    for (int64_t u = 0; u < k / 32; ++u, ++b) {
+      const int8_t* x = q + r * ldq + 32 * u;
+      int32_t s[2] = {0, 0};
+      for (int i = 0; i < 32; ++i) s[i >> 4] += x[i];
+      off4[b] = -8 * (s[0] + s[1]);
+      off6[2 * b] = -32 * s[0];
+      off6[2 * b + 1] = -32 * s[1];
+    }
   }
 }
 
 struct QuantKernels {
   const char* name;  // the instruction set: "avx512-vnni", "avx2", "generic"
-  // Quantize m rows of k floats (k a multiple of 32) into q, d, ds, dsh.
-  void (*quantize_rows)(const float* x, int64_t m, int64_t k, int8_t* q, float* d, float* ds,
-                        float* dsh);
+  // Quantize m rows of k floats (k a multiple of 32) into q (rows ldq apart), d, ds, dsh.
+  void (*quantize_rows)(const float* x, int64_t m, int64_t k, int8_t* q, int64_t ldq, float* d,
+                        float* ds, float* dsh);
   // Does this table have integer products for ggml type t?
   bool (*has_int_dot)(int t);
   // y[r * ldy + n] = dot(weight row n, activation row r) for n in [0, n_rows) and r in
@@ -93,9 +98,9 @@ struct QuantKernels {
   bool (*has_packed_dot)(int t);
   // Does its packed_dot of type t start its integer sums from Q8Rows' off4 / off6?
   bool (*sums_from_offsets)(int t);
-  // off4 and off6 of m quantized rows in this table's layout (offsets_as_lane_pairs or
-  // offsets_whole).
-  void (*offsets_into_sums)(const int8_t* q, int64_t m, int64_t k, int32_t* off4,
+  // off4 and off6 of m quantized rows (ldq apart) in this table's layout
+  // (offsets_as_lane_pairs or offsets_whole).
+  void (*offsets_into_sums)(const int8_t* q, int64_t m, int64_t k, int64_t ldq, int32_t* off4,
                             int32_t* off6);
   // As int_dot, for n_groups packed groups of 8 rows (group_bytes apart): rows 8 g .. 8 g + 7.
   void (*packed_dot)(int t, const uint8_t* w, int64_t group_bytes, int64_t n_groups,

@@ -245,12 +245,11 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
     int32_t* off6 = offsets ? off4 + m * (k / 32) : nullptr;
     const int64_t grain = std::max<int64_t>(1, kQuantizeValues / k);
     at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {  // (a row at a time: q's rows are ldq apart)
-        t->quantize_rows(xp + r * k, 1, k, q + r * ldq, d + r * (k / 32), ds + r * (k / 32),
-                         dsh + r * (k / 16));
-        if (offsets)
-          t->offsets_into_sums(q + r * ldq, 1, k, off4 + r * (k / 32), off6 + r * (k / 16));
-      }
+      t->quantize_rows(xp + begin * k, end - begin, k, q + begin * ldq, ldq, d + begin * (k / 32),
+                       ds + begin * (k / 32), dsh + begin * (k / 16));
+      if (offsets)
+        t->offsets_into_sums(q + begin * ldq, end - begin, k, ldq, off4 + begin * (k / 32),
+                             off6 + begin * (k / 16));
     });
     act = {q, d, ds, dsh, off4, off6, k, ldq};
   }
