@@ -395,6 +395,9 @@ def test_mixed_steps_attend_decode_tokens_natively(request, model_name, monkeypa
         return native(q, *args)
 
     monkeypatch.setattr(model, "native_decode", spy)
+    # the decode-only step's layers one by one, as the mixed step's (the layers in one
+    # native call equal them bit for bit: test_decode_layers.py)
+    monkeypatch.setattr(model, "_native_layers", lambda: None)
 
     def decode_logits(with_prefill: bool) -> torch.Tensor:
         runner = PagedRunner(model, KVCacheManager(64, 16), threads=None)

@@ -237,9 +237,11 @@ class StepAttention:
         native = model.native_decode if batch.decode_only and not batch.shared_prefixes else None
         self.native = native
         self.head_blocks: torch.Tensor | None = None
+        # the native decode op on the heavy threads (it is large; see ``model._heavy``)
+        self.native_heavy = False
         if native is not None:  # one op a layer, on all threads when it is large
-            context = batch.key_valid.numel() * nkv * d
-            self.native_call = model._heavy if context >= PARALLEL_GATHER_MIN else _call
+            self.native_heavy = batch.key_valid.numel() * nkv * d >= PARALLEL_GATHER_MIN
+            self.native_call = model._heavy if self.native_heavy else _call
         else:  # rows of the context blocks in a layer's store as [(K, V heads) * blocks, ...]
             head_offsets = torch.arange(2 * nkv, device=device)[:, None] * kv.num_blocks
             self.head_blocks = (head_offsets + batch.context_blocks.view(1, -1)).view(-1)

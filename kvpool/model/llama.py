@@ -172,6 +172,9 @@ class LlamaModel:
         ops = native_ops() if cpu_dtype else None
         self.native_decode = ops.paged_decode_attention if ops is not None else None
         self.native_fused = ops
+        # The layers as one native call for decode steps (``_native_layers``): built at
+        # the first step that can take it; False where the model cannot.
+        self._decode_layers: Any = None
 
     def _heavy(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a matrix product or a large gather on ``heavy_threads`` threads."""
@@ -226,14 +229,41 @@ class LlamaModel:
         ``[T, vocab]``, with ``all_logits``; or of the new tokens ``rows`` names); with
         ``return_hidden``, ``(logits, hidden)``, ``hidden`` the final-normed hidden
         states of the same rows (embeddings)."""
-        nh = self.config.num_heads
         cos, sin_signed = self._rope(batch.positions)
-        x = self.embed[batch.input_ids]
+        x = self.embed[batch.input_ids].contiguous()  # the step's own: updated in place
         attention = StepAttention(self, batch, kv)
-        fused = self.native_fused
-        if fused is not None:
+        if self.native_fused is not None:
             cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
-        x, h = self._add_norm(x.contiguous(), None, self.layers[0].attn_norm)
+        layers = self._native_layers() if attention.native is not None else None
+        if layers is not None:  # every layer in one call: ``_layers``, op for op
+            x = layers.run(
+                x, cos, sin_signed, batch.slot_mapping, batch.context_blocks, batch.context_lens,
+                kv.layers, kv.block_size, self.products.mode(x.shape[0]), self.heavy_threads,
+                attention.native_heavy, self.products.variant,
+            )  # fmt: skip
+        else:
+            x = self._layers(x, batch, kv, attention, cos, sin_signed)
+        if rows is not None:
+            x = x[rows]
+        elif not all_logits:
+            x = x[batch.last_index]
+        _, x = self._add_norm(x.contiguous(), None, self.final_norm)
+        logits = self._heavy(self.lm_head, x).float()
+        return (logits, x) if return_hidden else logits
+
+    def _layers(
+        self,
+        x: torch.Tensor,
+        batch: AttentionBatch,
+        kv: PagedKVStore,
+        attention: StepAttention,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+    ) -> torch.Tensor:
+        """The residual stream ``x`` (the step's own tensor) through every layer."""
+        nh = self.config.num_heads
+        fused = self.native_fused
+        x, h = self._add_norm(x, None, self.layers[0].attn_norm)
         for i, layer in enumerate(self.layers):
             qkv = self._heavy(layer.qkv, h)
             if fused is not None:
@@ -247,13 +277,26 @@ class LlamaModel:
                 x, h = self._add_norm(x, y, self.layers[i + 1].attn_norm)
             else:
                 x = x + y
-        if rows is not None:
-            x = x[rows]
-        elif not all_logits:
-            x = x[batch.last_index]
-        _, x = self._add_norm(x.contiguous(), None, self.final_norm)
-        logits = self._heavy(self.lm_head, x).float()
-        return (logits, x) if return_hidden else logits
+        return x
+
+    def _native_layers(self) -> Any:
+        """``DecodeLayers`` (decode_layers.h): ``_layers`` for a decode step whose
+        attention is the native decode op, in one native call, op for op the same (bit
+        for bit: tested). None where ``_layers`` runs instead: float32 (the reference
+        keeps torch's norms), dense products, no native ops."""
+        ops = self.native_fused
+        if self._decode_layers is None:
+            products = [(lr.qkv, lr.o, lr.gate_up, lr.down) for lr in self.layers]
+            quantized = all(isinstance(p, QuantLinear) for ps in products for p in ps)
+            self._decode_layers = False
+            if ops is not None and self.dtype == torch.bfloat16 and quantized:
+                cfg = self.config
+                stack = ops.DecodeLayers(cfg.num_heads, cfg.rms_norm_eps, cfg.head_dim**-0.5)
+                for layer, ps in zip(self.layers, products, strict=True):
+                    parts = [(p.raws, p.types, p.bias) for p in ps]  # type: ignore[union-attr]
+                    stack.add_layer(layer.attn_norm, layer.ffn_norm, parts)
+                self._decode_layers = stack
+        return self._decode_layers if ops is not None and self._decode_layers else None
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of ``[gate | up]`` rows. In bfloat16 with the native ops, one

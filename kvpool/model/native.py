@@ -14,6 +14,10 @@
   tile by tile), ``quant_dequantize`` dequantizes rows.
 - ``argmax_rows``: each row's argmax as torch's gives it (greedy decoding's pick over a
   whole vocabulary, a few times faster than torch's reduction).
+- ``DecodeLayers`` holds a model's layers and runs every layer of a decode step in one
+  call: the ops above, called from C++ in the order and on the threads the Python loop
+  uses (the same bits), without the loop's ten Python calls a layer (~1 ms of a 30-layer
+  model's batch-1 step).
 
 The kernels are compiled once per instruction set (``isa_*.cpp``: AVX-512 with BF16,
 AVX-512 with VNNI, AVX2, generic C++) into one module, and the fastest this CPU runs is

@@ -2,6 +2,10 @@
 
 #include <torch/extension.h>
 
+#include <tuple>
+
+#include "decode_layers.h"
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_kv,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens,
                                   int64_t block_size, double scale, const std::string& variant);
@@ -63,4 +67,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] times the stacked quantized parts transposed: [M, rows], float32 (or x's "
         "dtype with same_dtype)", py::arg("x"), py::arg("parts"), py::arg("types"),
         py::arg("mode") = 0, py::arg("variant") = "", py::arg("same_dtype") = false);
+  using Product = std::tuple<std::vector<at::Tensor>, std::vector<int64_t>, c10::optional<at::Tensor>>;
+  py::class_<kvp::DecodeLayers>(m, "DecodeLayers",
+                                "a model's layers for decode steps in one call (decode_layers.h)")
+      .def(py::init<int64_t, double, double>(), py::arg("num_heads"), py::arg("eps"),
+           py::arg("scale"))
+      .def(
+          "add_layer",
+          [](kvp::DecodeLayers& self, const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
+             const std::vector<Product>& products) {
+            std::vector<kvp::LayerProduct> ps;
+            for (const auto& [parts, types, bias] : products)
+              ps.push_back({parts, types, bias.has_value() ? *bias : at::Tensor()});
+            self.add_layer(attn_norm, ffn_norm, std::move(ps));
+          },
+          "a layer: its norms' weights and its products qkv, o, gate_up, down, each "
+          "(parts, types, bias or None)",
+          py::arg("attn_norm"), py::arg("ffn_norm"), py::arg("products"))
+      .def("run", &kvp::DecodeLayers::run,
+           "every layer of a decode step; x (updated in place) -> the residual after the last",
+           py::arg("x"), py::arg("cos"), py::arg("sin_signed"), py::arg("slots"),
+           py::arg("block_tables"), py::arg("context_lens"), py::arg("kv_layers"),
+           py::arg("block_size"), py::arg("mode"), py::arg("heavy_threads"),
+           py::arg("heavy_attention"), py::arg("variant") = "", py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_layers", &kvp::DecodeLayers::num_layers);
 }

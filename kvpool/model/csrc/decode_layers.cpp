@@ -1,0 +1,88 @@
+// A model's layers for decode steps in one native call (see decode_layers.h). Each op is
+// the one LlamaModel.forward calls through Python (fused_ops.cpp, quant_ops.cpp,
+// paged_decode_attention.cpp), with the same arguments: the row ops with the fastest
+// kernels (""), the products and the attention with the policy's variant.
+
+#include "decode_layers.h"
+
+#include <ATen/Parallel.h>
+
+#include <utility>
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_kv,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                  int64_t block_size, double scale, const std::string& variant);
+at::Tensor add_rms_norm_(at::Tensor& x, const c10::optional<at::Tensor>& y, const at::Tensor& weight,
+                         double eps, const std::string& variant);
+at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,
+                         at::Tensor& layer_kv, const at::Tensor& slots, int64_t num_heads,
+                         const std::string& variant);
+at::Tensor silu_mul(const at::Tensor& gate_up, const std::string& variant);
+at::Tensor quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& parts,
+                        const std::vector<int64_t>& types, int64_t mode, const std::string& isa,
+                        bool same_dtype);
+
+namespace kvp {
+
+namespace {
+
+// Runs f on `threads` threads and puts the calling thread back to one after (also when f
+// throws), as LlamaModel._heavy does; threads == 0: on the threads as they are.
+template <class F>
+auto on_threads(int64_t threads, F&& f) {
+  if (threads <= 0) return f();
+  struct Restore {
+    ~Restore() { at::set_num_threads(1); }
+  } restore;
+  at::set_num_threads(static_cast<int>(threads));
+  return f();
+}
+
+}  // namespace
+
+void DecodeLayers::add_layer(const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
+                             std::vector<LayerProduct> products) {
+  TORCH_CHECK(products.size() == 4, "a layer's products: qkv, o, gate_up, down");
+  for (const auto& p : products)
+    TORCH_CHECK(!p.parts.empty() && p.parts.size() == p.types.size(), "one type per part");
+  layers_.push_back({attn_norm, ffn_norm, std::move(products[0]), std::move(products[1]),
+                     std::move(products[2]), std::move(products[3])});
+}
+
+at::Tensor DecodeLayers::run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin_signed,
+                             const at::Tensor& slots, const at::Tensor& block_tables,
+                             const at::Tensor& context_lens,
+                             const std::vector<at::Tensor>& kv_layers, int64_t block_size,
+                             int64_t mode, int64_t heavy_threads, bool heavy_attention,
+                             const std::string& variant) const {
+  TORCH_CHECK(!layers_.empty(), "no layers");
+  TORCH_CHECK(kv_layers.size() == layers_.size(), "one KV store layer per layer");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "x: contiguous [tokens, hidden] bfloat16");
+  const std::string row_kernels;  // the row ops' kernels: the fastest, as the Python path
+  auto product = [&](const LayerProduct& p, const at::Tensor& in) {
+    auto y = on_threads(heavy_threads,
+                        [&] { return quant_matmul(in, p.parts, p.types, mode, variant, true); });
+    return p.bias.defined() ? at::add(y, p.bias) : y;
+  };
+  at::Tensor h = add_rms_norm_(x, c10::nullopt, layers_[0].attn_norm, eps_, row_kernels);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const Layer& layer = layers_[i];
+    at::Tensor layer_kv = kv_layers[i];
+    const at::Tensor q = rope_write_kv(product(layer.qkv, h), cos, sin_signed, layer_kv, slots,
+                                       num_heads_, row_kernels);
+    const at::Tensor out = on_threads(heavy_attention ? heavy_threads : 0, [&] {
+      return paged_decode_attention(q, layer_kv, block_tables, context_lens, block_size, scale_,
+                                    variant);
+    });
+    h = add_rms_norm_(x, product(layer.o, out), layer.ffn_norm, eps_, row_kernels);
+    const at::Tensor y = product(layer.down, silu_mul(product(layer.gate_up, h), row_kernels));
+    if (i + 1 < layers_.size())
+      h = add_rms_norm_(x, y, layers_[i + 1].attn_norm, eps_, row_kernels);
+    else
+      x = at::add(x, y);
+  }
+  return x;
+}
+
+}  // namespace kvp

@@ -1,0 +1,166 @@
+"""``DecodeLayers`` (kvpool/model/csrc/decode_layers.h): a decode step's layers in one
+native call compute what ``LlamaModel._layers`` computes, bit for bit (logits and the
+K/V written), on every way the runner uses the threads; it is taken only for the steps
+it covers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvpool.cache import KVCacheManager  # noqa: E402
+from kvpool.model.native import native_ops  # noqa: E402
+from kvpool.model.threads import Mode  # noqa: E402
+from tests.paged_runner import Chunk, PagedRunner  # noqa: E402
+
+ops = native_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="native ops not built here")
+
+
+def _model(path, dtype, policy):
+    from kvpool.model.gguf_weights import load_gguf_weights
+    from kvpool.model.llama import LlamaModel
+
+    config, weights = load_gguf_weights(path, dtype, quantized=True)
+    return LlamaModel(config, weights, torch.device("cpu"), dtype, policy)
+
+
+@pytest.fixture(scope="module")
+def int8_model(default_model_file):
+    """bf16 with int8 products at every step size, as ``dtype=None`` serves on the CPU."""
+    from kvpool.model.products import ProductPolicy
+
+    return _model(default_model_file, torch.bfloat16, ProductPolicy(int8_max_rows=None))
+
+
+class _Counted:
+    """The model's ``DecodeLayers`` with its ``run`` calls counted."""
+
+    def __init__(self, layers):
+        self.layers, self.calls = layers, 0
+
+    def run(self, *args):
+        self.calls += 1
+        return self.layers.run(*args)
+
+
+def _set_mode(model, mode: Mode, threads: int = 2) -> None:
+    """What ``ModelRunner._run`` sets for a step in ``mode``."""
+    torch.set_num_threads(threads if mode is Mode.ALL else 1)
+    model.heavy_threads = threads if mode is Mode.SPLIT else 0
+
+
+def _decode(model, native_layers: bool, mode: Mode, steps: int = 3):
+    """Logits of a prefill and ``steps`` decode steps of four sequences of different
+    lengths (one past a block boundary, one long enough for the attention to count as
+    large), and the KV store after them."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 49000) for _ in range(n)] for n in (5, 16, 47, 300)]
+    layers = model._native_layers()
+    assert layers is not None
+    counted = _Counted(layers)
+    model._decode_layers = counted if native_layers else False
+    threads = torch.get_num_threads()
+    try:
+        runner = PagedRunner(model, KVCacheManager(96, 16), threads=None)
+        for seq, prompt in enumerate(prompts):
+            runner.manager.allocate(seq, prompt)
+        _set_mode(model, mode)
+        logits = [runner.forward([Chunk(s, p, 0) for s, p in enumerate(prompts)])]
+        assert counted.calls == 0  # a prefill step takes the loop
+        for step in range(steps):
+            chunks = []
+            for seq, prompt in enumerate(prompts):
+                token = int(logits[-1][seq].argmax())
+                runner.manager.append(seq, [token])
+                chunks.append(Chunk(seq, [token], len(prompt) + step))
+            logits.append(runner.forward(chunks))
+        assert counted.calls == (steps if native_layers else 0)
+        return torch.stack(logits[1:]), runner.kv.layers
+    finally:
+        model._decode_layers = layers
+        model.heavy_threads = 0
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_native_layers_equal_the_python_loop(int8_model, mode):
+    got, got_kv = _decode(int8_model, True, mode)
+    want, want_kv = _decode(int8_model, False, mode)
+    assert torch.equal(got, want)
+    for a, b in zip(got_kv, want_kv, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_native_layers_with_float_products(default_model_file):
+    """The float products (``exact``) and a bias on the fused QKV go through it as well
+    (the default model has none: one is added here)."""
+    from kvpool.model.products import ProductPolicy
+
+    model = _model(default_model_file, torch.bfloat16, ProductPolicy(exact=True))
+    gen = torch.Generator().manual_seed(3)
+    cfg = model.config
+    rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    for layer in model.layers:
+        layer.qkv.bias = (torch.randn(rows, generator=gen) * 0.1).to(torch.bfloat16)
+    got, _ = _decode(model, True, Mode.ONE, steps=2)
+    want, _ = _decode(model, False, Mode.ONE, steps=2)
+    assert torch.equal(got, want)
+
+
+def test_steps_it_does_not_cover_take_the_loop(int8_model, fp32_model):
+    """float32 (the reference keeps torch's norms), a model without the native ops, and
+    steps whose attention is not the native decode op (prefix groups) run the loop."""
+    assert fp32_model._native_layers() is None
+    saved = int8_model.native_fused
+    int8_model.native_fused = None
+    try:
+        assert int8_model._native_layers() is None
+    finally:
+        int8_model.native_fused = saved
+    layers = int8_model._native_layers()
+    counted = _Counted(layers)
+    int8_model._decode_layers = counted
+    try:
+        prompt = list(range(3, 40))
+        runner = PagedRunner(int8_model, KVCacheManager(32, 16), threads=None,
+                             min_shared_tokens=16)  # fmt: skip
+        for seq in (0, 1):
+            runner.manager.allocate(seq, prompt)
+        runner.forward([Chunk(0, prompt, 0)])
+        runner.forward([Chunk(1, prompt, 0)])
+        for seq in (0, 1):
+            runner.manager.append(seq, [9])
+        batch = runner.build_batch([Chunk(0, [9], len(prompt)), Chunk(1, [9], len(prompt))])
+        assert batch.shared_prefixes
+        runner.forward([Chunk(0, [9], len(prompt)), Chunk(1, [9], len(prompt))])
+        assert counted.calls == 0
+    finally:
+        int8_model._decode_layers = layers
+
+
+def test_a_wrong_call_raises_and_leaves_one_thread(int8_model):
+    """A check failing inside raises (a RuntimeError, the GIL taken back) and the
+    thread count the products set is put back."""
+    layers = int8_model._native_layers()
+    cfg = int8_model.config
+    x = torch.zeros(1, cfg.hidden_size, dtype=torch.bfloat16)
+    cos = torch.ones(1, 1, cfg.head_dim, dtype=torch.bfloat16)
+    slots = torch.zeros(1, dtype=torch.long)
+    tables = torch.zeros(1, 1, dtype=torch.long)
+    lens = torch.ones(1, dtype=torch.long)
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(RuntimeError, match="one KV store layer per layer"):
+            layers.run(x, cos, cos, slots, tables, lens, [], 16, 0, 2, False, "")
+        kv = [torch.zeros(2 * cfg.num_kv_heads, 16, cfg.head_dim, dtype=torch.bfloat16)]
+        kv = kv * cfg.num_layers
+        bad_slots = torch.full((1,), 99, dtype=torch.long)  # past the store: rope's check
+        with pytest.raises(RuntimeError, match="slot out of the store"):
+            layers.run(x, cos, cos, bad_slots, tables, lens, kv, 16, 0, 2, False, "")
+        assert torch.get_num_threads() == 1  # the products' threads put back
+    finally:
+        torch.set_num_threads(threads)
