@@ -41,7 +41,8 @@ struct VarlenArgs {
 
 struct AttentionKernels {
   const char* name;
-  // Items [begin, end) of B * kv_heads; scratch: group * (max context + 3 * dim) floats.
+  // Items [begin, end) of B * kv_heads; scratch: group * (max context + 2 * dim + 128)
+  // + dim floats.
   void (*run)(const AttnArgs* args, int64_t begin, int64_t end, float* scratch);
   // Items [begin, end) of n_tiles * kv_heads; scratch: varlen_scratch(args) floats.
   void (*run_varlen)(const VarlenArgs* args, int64_t begin, int64_t end, float* scratch);

@@ -68,7 +68,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dtype with same_dtype)", py::arg("x"), py::arg("parts"), py::arg("types"),
         py::arg("mode") = 0, py::arg("variant") = "", py::arg("same_dtype") = false);
   using Product = std::tuple<std::vector<at::Tensor>, std::vector<int64_t>, c10::optional<at::Tensor>>;
-  py::class_<kvp::DecodeLayers>(m, "DecodeLayers",
+  // module_local: two builds of this module (another checkout's sources) can be loaded
+  // in one process without their classes clashing in pybind11's registry
+  py::class_<kvp::DecodeLayers>(m, "DecodeLayers", py::module_local(),
                                 "a model's layers for decode steps in one call (decode_layers.h)")
       .def(py::init<int64_t, double, double>(), py::arg("num_heads"), py::arg("eps"),
            py::arg("scale"))

@@ -67,7 +67,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_k
   const int64_t group = args.num_heads / args.kv_heads;
   int64_t longest = 0;
   for (int64_t i = 0; i < lens.numel(); ++i) longest = std::max(longest, l[i]);
-  const int64_t scratch = group * (longest + 2 * args.dim) + args.dim;
+  const int64_t scratch = group * (longest + 2 * args.dim + 128) + args.dim;
   at::parallel_for(0, q.size(0) * args.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(scratch);
     kernels->run(&args, begin, end, buffer.data());
