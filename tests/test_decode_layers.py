@@ -122,6 +122,7 @@ def test_steps_it_does_not_cover_take_the_loop(int8_model, fp32_model):
     finally:
         int8_model.native_fused = saved
     layers = int8_model._native_layers()
+    assert layers is not None
     counted = _Counted(layers)
     int8_model._decode_layers = counted
     try:
@@ -164,3 +165,22 @@ def test_a_wrong_call_raises_and_leaves_one_thread(int8_model):
         assert torch.get_num_threads() == 1  # the products' threads put back
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_step_without_the_native_ops_decides_nothing(default_model_file):
+    """A model's first decode step taken while its native ops are away (as a test may
+    take them) leaves the layers to be built once they are back."""
+    from kvpool.model.products import ProductPolicy
+
+    model = _model(default_model_file, torch.bfloat16, ProductPolicy(int8_max_rows=None))
+    model.native_fused = None
+    try:
+        runner = PagedRunner(model, KVCacheManager(8, 16), threads=None)
+        runner.manager.allocate(0, [5, 6, 7])
+        runner.forward([Chunk(0, [5, 6, 7], 0)])
+        runner.manager.append(0, [8])
+        runner.forward([Chunk(0, [8], 3)])  # the loop, with torch's ops
+        assert model._native_layers() is None
+    finally:
+        model.native_fused = ops
+    assert model._native_layers() is not None

@@ -282,21 +282,25 @@ class LlamaModel:
     def _native_layers(self) -> Any:
         """``DecodeLayers`` (decode_layers.h): ``_layers`` for a decode step whose
         attention is the native decode op, in one native call, op for op the same (bit
-        for bit: tested). None where ``_layers`` runs instead: float32 (the reference
-        keeps torch's norms), dense products, no native ops."""
+        for bit: tested). None where ``_layers`` runs instead: no native ops (now),
+        float32 (the reference keeps torch's norms), dense products. Built once, on the
+        first step that can take it, from the layers as they are then (their weights
+        and biases do not change after load)."""
         ops = self.native_fused
+        if ops is None:  # (a test may take them away for a while: nothing is decided)
+            return None
         if self._decode_layers is None:
             products = [(lr.qkv, lr.o, lr.gate_up, lr.down) for lr in self.layers]
             quantized = all(isinstance(p, QuantLinear) for ps in products for p in ps)
             self._decode_layers = False
-            if ops is not None and self.dtype == torch.bfloat16 and quantized:
+            if self.dtype == torch.bfloat16 and quantized:
                 cfg = self.config
                 stack = ops.DecodeLayers(cfg.num_heads, cfg.rms_norm_eps, cfg.head_dim**-0.5)
                 for layer, ps in zip(self.layers, products, strict=True):
                     parts = [(p.raws, p.types, p.bias) for p in ps]  # type: ignore[union-attr]
                     stack.add_layer(layer.attn_norm, layer.ffn_norm, parts)
                 self._decode_layers = stack
-        return self._decode_layers if ops is not None and self._decode_layers else None
+        return self._decode_layers or None
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of ``[gate | up]`` rows. In bfloat16 with the native ops, one
