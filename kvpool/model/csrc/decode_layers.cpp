@@ -1,5 +1,5 @@
 // A model's layers for decode steps in one native call (see decode_layers.h). Each op is
-// the one LlamaModel.forward calls through Python (fused_ops.cpp, quant_ops.cpp,
+// the one LlamaModel._layers calls through Python (fused_ops.cpp, quant_ops.cpp,
 // paged_decode_attention.cpp), with the same arguments: the row ops with the fastest
 // kernels (""), the products and the attention with the policy's variant.
 

@@ -19,7 +19,7 @@ struct LayerProduct {
 
 // The layers of a LLaMA-family model whose products are all quantized (QuantLinear), for
 // steps in which every sequence brings one token and attends through the native decode
-// attention. run() does what LlamaModel.forward's loop over layers does for such a step,
+// attention. run() does what LlamaModel._layers (the loop over layers) does for such a step,
 // op for op: the same native ops (called here, not through Python), in the same order,
 // on the same threads, so its results are the loop's bit for bit. What it saves is the
 // loop's Python and the calls' conversions: ten calls a layer, ~1 ms of a 7 ms batch-1
