@@ -95,6 +95,15 @@ constexpr int64_t kFloatTile = 64;   // weight rows per task, float products (de
 constexpr int64_t kRowBlock = 128;   // activation rows per pass (they stay in cache)
 constexpr int64_t kGemmRows = 16;    // from this many activation rows, float tiles use at::mm
 constexpr int64_t kRunsPerThread = 16;  // runs of work items a thread takes, on average
+// Products of at most this many activation rows stream their weights from memory (a
+// decode step's): a thread then takes kStreamRuns runs on average, so each reads long
+// stretches of the matrix. With 16, the default model's 576-row products (36 tiles of
+// 16 rows, 5.8 KB each) went a tile at a time, the two threads taking alternate tiles,
+// and its batch-1 step read its layers' weights at ~18 GB/s (the memory gives ~31):
+// with 2, that step takes 0.88-0.90x the time, batch 8 0.96x, the 1B-class batch 1 ~0.98x
+// (a Zen 3; docs/performance.md).
+constexpr int64_t kStreamRows = 8;
+constexpr int64_t kStreamRuns = 2;
 constexpr int64_t kQuantizeValues = 1 << 14;  // activation values quantized per thread, at least
 
 }  // namespace
@@ -311,10 +320,12 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   // Threads take runs of consecutive items from a shared counter until none are left,
   // not a fixed share each: a thread slowed by anything else on its core (a busy
   // neighbour, a hypervisor's other guests) takes fewer, and the step ends when the last
-  // run does. Each output is computed by one item in a fixed order, so the results do
-  // not depend on which thread took it.
+  // run does (fewer, longer runs where the weights stream from memory: kStreamRows).
+  // Each output is computed by one item in a fixed order, so the results do not depend
+  // on which thread took it.
   const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
-  const int64_t run = std::max<int64_t>(1, items / (threads * kRunsPerThread));
+  const int64_t runs_per_thread = m <= kStreamRows ? kStreamRuns : kRunsPerThread;
+  const int64_t run = std::max<int64_t>(1, items / (threads * runs_per_thread));
   const int64_t workers = std::min(threads, (items + run - 1) / run);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
