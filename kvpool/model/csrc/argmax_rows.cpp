@@ -17,6 +17,8 @@
 #include <emmintrin.h>
 #endif
 
+#include "native_ops.h"
+
 namespace {
 
 // The largest value of x[0, n) ignoring NaNs, and whether there is a NaN.

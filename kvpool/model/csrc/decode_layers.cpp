@@ -9,18 +9,7 @@
 
 #include <utility>
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_kv,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                  int64_t block_size, double scale, const std::string& variant);
-at::Tensor add_rms_norm_(at::Tensor& x, const c10::optional<at::Tensor>& y, const at::Tensor& weight,
-                         double eps, const std::string& variant);
-at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,
-                         at::Tensor& layer_kv, const at::Tensor& slots, int64_t num_heads,
-                         const std::string& variant);
-at::Tensor silu_mul(const at::Tensor& gate_up, const std::string& variant);
-at::Tensor quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& parts,
-                        const std::vector<int64_t>& types, int64_t mode, const std::string& isa,
-                        bool same_dtype);
+#include "native_ops.h"
 
 namespace kvp {
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "isa_select.h"
+#include "native_ops.h"
 
 namespace {
 

@@ -33,6 +33,7 @@
 
 #include "quant_blocks.h"
 #include "isa_select.h"
+#include "native_ops.h"
 #include "quant_kernels.h"
 #include "quant_packed.h"
 
@@ -100,7 +101,7 @@ constexpr int64_t kRunsPerThread = 16;  // runs of work items a thread takes, on
 // stretches of the matrix. With 16, the default model's 576-row products (36 tiles of
 // 16 rows, 5.8 KB each) went a tile at a time, the two threads taking alternate tiles,
 // and its batch-1 step read its layers' weights at ~18 GB/s (the memory gives ~31):
-// with 2, that step takes 0.88-0.90x the time, batch 8 0.96x, the 1B-class batch 1 ~0.98x
+// with 2, that step takes 0.80-0.90x the time, batch 8 0.96x, the 1B-class batch 1 ~0.98x
 // (a Zen 3; docs/performance.md).
 constexpr int64_t kStreamRows = 8;
 constexpr int64_t kStreamRuns = 2;
