@@ -134,6 +134,28 @@ PACKABLE = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
 PACKED = 0x100
 
 
+def test_the_exact_path_keeps_the_files_layout_and_the_fast_path_packs():
+    """float32 asked for (the exact reference: float products only) keeps every matrix
+    in the file's layout, which the vector kernels dequantize (packed rows dequantize one
+    at a time in plain C++: 3.5-8x the time a product); the measured choice packs where
+    the int8 kernels multiply the packed layout."""
+    from kvpool.model.loader import load_model
+    from kvpool.model.products import QuantLinear
+
+    def types(loaded):
+        layer = loaded.model.layers[0]
+        products = (layer.qkv, layer.o, layer.gate_up, layer.down)
+        assert all(isinstance(p, QuantLinear) for p in products)
+        return [t for p in products for t in p.types]
+
+    exact = load_model(None, dtype="float32", progress=False)
+    assert exact.model.products.exact and "exact" in exact.compute_line()
+    assert not any(t & PACKED for t in types(exact))
+    fast = load_model(None, dtype=None, progress=False)
+    packs = [ops.quant_packs(t & ~PACKED, fast.model.products.variant) for t in types(fast)]
+    assert [bool(t & PACKED) for t in types(fast)] == packs and any(packs)
+
+
 @pytest.mark.parametrize("qtype", PACKABLE)
 def test_the_packed_layout_holds_the_same_values(qtype):
     """Repacked rows (groups of 8 interleaved) dequantize to exactly the file's values,

@@ -184,13 +184,15 @@ def load_model(
     bar = Progress(f"loading {path.name}", len(header.tensors)) if progress else None
     try:
         measure = dtype is None and ops is not None  # the compute dtype, by measurement
+        # float32 asked for: the exact reference, float products only (no packed layout)
+        exact = torch_dtype == torch.float32 and dtype is not None and not batch_invariant
         config, weights = load_gguf_weights(
             path,
             torch.float32 if measure else torch_dtype,
             header=header,
             on_tensor=(lambda i, n: bar.advance()) if bar else None,
             quantized=ops is not None,
-            pack_variant=kernel_variant() if ops is not None else None,
+            pack_variant=kernel_variant() if ops is not None and not exact else None,
         )
     finally:
         if bar:
@@ -218,10 +220,10 @@ def load_model(
         del other_model, candidates
         choice = (
             f"{torch_dtype}: measured {times[torch_dtype] * 1e3:.1f} ms a batch-1 decode "
-            f"step vs {times[other] * 1e3:.1f} ms in {other} ({cpu_features().summary()})"
+            f"step vs {times[other] * 1e3:.1f} ms in {other} ({cpu_features().summary()}; "
+            "both with int8 products)"
         )
     else:
-        exact = torch_dtype == torch.float32 and dtype is not None and not batch_invariant
         products = ProductPolicy(exact=exact, variant=kernel_variant(), fixed=batch_invariant)
         model = LlamaModel(config, weights, dev, torch_dtype, products)
     weights.clear()

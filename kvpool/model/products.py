@@ -53,7 +53,10 @@ class ProductPolicy:
         ops = native_ops()
         variant = self.variant or (ops.kernel_variants()[0] if ops is not None else "none")
         if self.exact:
-            return f"float products from dequantized tiles ({variant} kernels)"
+            return (
+                f"float products from dequantized tiles, the exact reference ({variant} "
+                "kernels; without --dtype, int8 products: several times faster)"
+            )
         if self.int8_max_rows is None:
             why = ", batch-invariant" if self.fixed else ""
             return f"int8 products at every step size{why} ({variant} kernels)"
@@ -84,8 +87,13 @@ class QuantLinear:
             raise ValueError(f"parts of one product need one width, got {sorted(cols)}")
         self.cols = parts[0].cols
         self.float_out = float_out
-        for part in parts:  # the packed layout where the kernels have it: same bytes
-            part.pack(policy.variant)
+        # The packed layout where the int8 kernels have it (the same bytes). Not under an
+        # exact policy, which never takes them: its float products dequantize tiles, and
+        # the file's layout dequantizes with the vector kernels (packed rows, one at a
+        # time in plain C++: 3.5-8x the time a product, docs/performance.md).
+        if not policy.exact:
+            for part in parts:
+                part.pack(policy.variant)
         self.raws = [p.raw for p in parts]
         self.types = [p.native_type for p in parts]
         self.bias = bias
