@@ -105,3 +105,52 @@ def test_long_prefill_steps_are_one_kind():
         policy.choose(tokens, decode_only=False)
         policy.record(tokens * 0.001)
     assert list(policy.summary()) == ["prefill >=128 tokens"]
+
+
+def test_in_passing_thread_runs_on_a_thread_that_ends_and_hands_back_its_outcome():
+    import threading
+
+    from kvpool.model.threads import in_passing_thread
+
+    seen = []
+
+    def work(a, *, b):
+        seen.append(threading.current_thread())
+        return a + b
+
+    assert in_passing_thread(work, 2, b=3) == 5
+    (thread,) = seen
+    assert thread is not threading.current_thread() and not thread.is_alive()
+
+    def fail():
+        raise KeyError("no such model")
+
+    with pytest.raises(KeyError, match="no such model"):
+        in_passing_thread(fail)
+
+
+def test_the_server_loads_its_model_on_a_thread_that_has_ended(monkeypatch):
+    """The thread that serves HTTP must not keep an OpenMP pool beside the engine
+    thread's (``in_passing_thread``): the model and its engine are built elsewhere."""
+    pytest.importorskip("torch")
+    import threading
+
+    from kvpool.cli import build_parser
+    from kvpool.server import main
+
+    loaders = []
+    original = main._load_with_engine
+
+    def recording(*args, **kwargs):
+        loaders.append(threading.current_thread())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(main, "_load_with_engine", recording)
+    args = build_parser().parse_args(["serve", "--quiet", "--kv-cache-memory", "16"])
+    built = main.build(args)
+    try:
+        (thread,) = loaders
+        assert thread is not threading.current_thread() and not thread.is_alive()
+        assert built.model.loaded.model is not None
+    finally:
+        built.llm.shutdown()

@@ -21,9 +21,41 @@ for bit).
 from __future__ import annotations
 
 import enum
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 PREFILL_KIND_BITS = 8  # prefill steps of 2**(8-1) = 128 tokens or more: one kind
+T = TypeVar("T")
+
+
+def in_passing_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` on a thread of its own that ends with it (its result
+    returned, its exception raised here).
+
+    For setup work (loading a model, building its engine) whose steps then run on
+    another, long-lived thread (``AsyncLLM``'s). OpenMP (libgomp, torch's) gives every
+    thread that starts a parallel region a pool of workers, kept until that thread ends;
+    while the pools hold more threads than there are CPUs, an idle worker spins ~1 us
+    instead of GOMP_SPINCOUNT's ~100 us before it sleeps, so each of a decode step's
+    ~120 parallel regions wakes a sleeping worker. A model loaded on the thread that then
+    serves HTTP left such a pool beside the engine thread's: the default model's batch-1
+    steps took ~1.25x the time (docs/performance.md, fifteenth session)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn(*args, **kwargs)
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="kvpool-setup")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
 
 
 class Mode(enum.Enum):

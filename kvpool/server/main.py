@@ -87,12 +87,27 @@ class StartupError(Exception):
     """The server cannot start (an unknown model, a bad flag): said in one line."""
 
 
+def _load_with_engine(
+    requested: str | None, args: argparse.Namespace, config: Any, progress: bool
+) -> Any:
+    """The model ``requested`` as the flags ask, and its engine on ``config``."""
+    from kvpool.engine.engine import Engine
+    from kvpool.model.loader import load_model
+
+    loaded = load_model(
+        requested,
+        dtype=args.dtype,
+        progress=progress,
+        batch_invariant=args.batch_invariant,
+    )
+    return loaded, Engine(loaded.model, config, tokenizer=loaded.tokenizer)
+
+
 def build(args: argparse.Namespace) -> Built:
     """Load the model, build its engine and the app, as ``kvpool serve`` runs them (a
     cluster replica builds the same, in process)."""
     from kvpool.engine.async_llm import AsyncLLM
-    from kvpool.engine.engine import Engine
-    from kvpool.model.loader import load_model
+    from kvpool.model.threads import in_passing_thread
     from kvpool.model_store import ModelNotFound
     from kvpool.server.app import create_app
     from kvpool.server.auth import KeyRing
@@ -110,13 +125,11 @@ def build(args: argparse.Namespace) -> Built:
         config = engine_config.from_args(args, max_queue=args.max_queue)
         # one KV budget, an equal pool for each model that may be loaded at once
         config = config.replace(kv_cache_memory=config.kv_cache_memory // args.max_models)
-        loaded = load_model(
-            args.model,
-            dtype=args.dtype,
-            progress=not args.quiet,
-            batch_invariant=args.batch_invariant,
+        # on a thread that ends here: this one serves HTTP, and no OpenMP pool of its
+        # own may stay beside the engine thread's (``in_passing_thread``)
+        loaded, engine = in_passing_thread(
+            _load_with_engine, args.model, args, config, not args.quiet
         )
-        engine = Engine(loaded.model, config, tokenizer=loaded.tokenizer)
     except (ModelNotFound, ValueError, OSError, APIError) as exc:
         raise StartupError(str(exc)) from None
     if args.quiet:  # the compute choice is said even then: one line
@@ -134,14 +147,18 @@ def build(args: argparse.Namespace) -> Built:
     )
 
     def load_more(requested: str, kv_bytes: int) -> ServedModel:
-        """Another model, its own engine and pool (a worker thread runs this)."""
+        """Another model, its own engine and pool (an executor's thread runs this: the
+        loading itself on a thread that ends with it, as above)."""
         try:
-            more = load_model(requested, dtype=args.dtype, progress=False,
-                              batch_invariant=args.batch_invariant)  # fmt: skip
+            more, engine = in_passing_thread(
+                _load_with_engine,
+                requested,
+                args,
+                config.replace(kv_cache_memory=kv_bytes),
+                False,
+            )
         except ModelNotFound as exc:
             raise LookupError(str(exc)) from None
-        engine = Engine(more.model, config.replace(kv_cache_memory=kv_bytes),
-                        tokenizer=more.tokenizer)  # fmt: skip
         driver = AsyncLLM(engine)
         driver.start()
         return ServedModel.open(requested, more, driver)
