@@ -50,7 +50,8 @@ def in_passing_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         except BaseException as exc:  # handed to the caller
             box["error"] = exc
 
-    thread = threading.Thread(target=run, name="kvpool-setup")
+    # a daemon: Ctrl-C during a long load ends the process without waiting for it
+    thread = threading.Thread(target=run, name="kvpool-setup", daemon=True)
     thread.start()
     thread.join()
     if "error" in box:

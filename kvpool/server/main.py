@@ -192,6 +192,12 @@ def serve(args: argparse.Namespace) -> int:
     except StartupError as exc:
         print(f"kvpool: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # The load runs on a thread of its own (build), which a signal cannot stop, and
+        # a process that exits normally around it aborts in native code: end it here.
+        print("\nkvpool: stopped while loading", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
     app, llm, model = built.app, built.llm, built.model
     print(built.summary, file=sys.stderr)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
