@@ -106,3 +106,45 @@ def test_shutdown_cancels_requests_in_flight(llm):
 
     asyncio.run(main())
     assert llm.engine.cache_stats().used_blocks == 0
+
+
+def test_the_engine_thread_ends_when_idle_and_the_next_command_starts_another(llm):
+    """An idle engine thread ends (its OpenMP pool with it); whatever comes next (a
+    request, a call, an abort) starts a new one, and nothing sent while a thread is
+    ending is lost: requests sent at random moments against a thread that ends after a
+    millisecond idle all complete, equal to the offline answers."""
+    import random
+
+    prompts = [f"Count to {i}:" for i in range(12)]
+    expected = [out.token_ids for out in llm.generate(prompts, GREEDY)]
+    engine = AsyncLLM(llm.engine, idle_exit=0.001)
+    engine.start()
+    threads = set()
+    try:
+
+        async def main():
+            first = engine._thread
+            ids = [llm.tokenizer.encode(p) for p in prompts]
+            results = [(await collect(engine, ids[0]))[1]]
+            while first.is_alive():  # it ends once idle
+                await asyncio.sleep(0.001)
+            stats = await engine.stats()  # a call starts a new thread
+            threads.update({first, engine._thread})
+            rng = random.Random(5)
+
+            async def later(i):
+                await asyncio.sleep(rng.random() * 0.02)
+                threads.add(engine._thread)
+                return (await collect(engine, ids[i]))[1]
+
+            results += await asyncio.gather(*(later(i) for i in range(1, len(ids))))
+            return results, stats, await engine.stats()
+
+        # (a bound only for a broken hand-over, which would wait forever)
+        results, stats, last = asyncio.run(asyncio.wait_for(main(), 300))
+    finally:
+        engine.shutdown()
+    assert results == expected
+    assert len(threads) >= 2 and stats.running == 0
+    assert last.cache.used_blocks == 0 and last.running == last.waiting == 0
+    assert not any(t.is_alive() for t in threads)

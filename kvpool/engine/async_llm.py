@@ -8,6 +8,13 @@ step. Torch releases the GIL in its kernels, so HTTP keeps flowing while a step 
 After every step and command the thread publishes ``snapshot`` (the engine's counters),
 which any thread reads without waiting.
 
+The thread ends after ``idle_exit`` seconds without work and a new one starts with the
+next command: OpenMP (libgomp, torch's) keeps a pool of workers for every thread that
+has run a parallel region until that thread ends, and while the pools hold more threads
+than there are CPUs its idle workers hardly spin, so each product of a step wakes one. A
+second model loaded on demand and then idle, its engine thread's pool kept, made the
+first model's batch-1 steps ~1.25x slower (docs/performance.md, fifteenth session).
+
     llm = AsyncLLM(engine)
     llm.start()
     async for out in llm.generate(ids, SamplingParams(max_tokens=32)):
@@ -44,6 +51,7 @@ T = TypeVar("T")
 __all__ = ["AsyncLLM", "EngineSnapshot", "RequestStream", "TenantSnapshot"]
 
 _STOP = object()
+IDLE_EXIT_SECONDS = 2.0  # without work this long, the engine thread ends (see above)
 
 
 def _nothing() -> None:
@@ -106,34 +114,60 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, idle_exit: float = IDLE_EXIT_SECONDS) -> None:
         self.engine = engine
+        self.idle_exit = idle_exit
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._routes: dict[str, _Route] = {}  # engine thread only
         self._ids = itertools.count()
         self._adding = 0  # requests handed to the engine thread, not yet added (loop side)
-        self._thread = threading.Thread(target=self._loop, name="kvpool-engine", daemon=True)
+        # The engine thread: one at a time, started by start() and again by a command
+        # after an idle exit. ``_running`` (under ``_lock``, reentrant: stop_soon may run
+        # in a signal handler) is True from a thread's start until it has found, under
+        # the lock, no command left: a command sent after that starts the next thread.
+        self._lock = threading.RLock()
+        self._started = False
+        self._running = False
+        self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self.snapshot: EngineSnapshot = engine.snapshot()
         self._kv_sink: Callable[[list[Any]], None] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:
+        with self._lock:
+            self._started = True
+            self._spawn()
+
+    def _spawn(self) -> None:
+        """A new engine thread (under ``_lock``), unless one runs or the engine stopped."""
+        if self._running or self._stopped.is_set():
+            return
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="kvpool-engine", daemon=True)
         self._thread.start()
+
+    def _send(self, command: Any) -> None:
+        """Queue a command for the engine thread, starting one if it ended idle."""
+        self._commands.put(command)
+        with self._lock:
+            if self._started:
+                self._spawn()
 
     def stop_soon(self) -> None:
         """Ask the engine thread to abort every request and stop; does not wait (safe
         from a signal handler)."""
-        self._commands.put(_STOP)
+        self._send(_STOP)
 
     def shutdown(self, timeout: float | None = 30) -> None:
         """Abort every request (their blocks are freed) and stop the engine thread."""
-        if self._thread.is_alive():
+        thread = self._thread
+        if thread is not None and thread.is_alive():
             self._commands.put(_STOP)
-            self._thread.join(timeout)
+            thread.join(timeout)
         self._stopped.set()
         self._drain_stopped()
-        if not self._thread.is_alive():
+        if thread is None or not thread.is_alive():
             self.engine.close()  # the tier's last writes
 
     def publish_kv_events(self, sink: Callable[[list[Any]], None]) -> None:
@@ -183,7 +217,7 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its blocks are freed before the next step."""
-        self._commands.put(lambda: self._abort(request_id))
+        self._send(lambda: self._abort(request_id))
 
     async def pin_prefix(
         self,
@@ -244,7 +278,7 @@ class AsyncLLM:
         self.engine.watch_pool()
         view = self.snapshot.view
         if view is None or time.time() - view.taken_at > 0.5:
-            self._commands.put(_nothing)
+            self._send(_nothing)
 
     async def describe_block(self, block_id: int) -> dict[str, object]:
         """One block of the pool as it is between two steps."""
@@ -287,7 +321,7 @@ class AsyncLLM:
                 _post(route.loop, added)
 
         command.refuse = route.put  # type: ignore[attr-defined]
-        self._commands.put(command)
+        self._send(command)
         if self._stopped.is_set():  # the thread may be gone: nobody else will answer
             self._drain_stopped()
         return route
@@ -296,7 +330,7 @@ class AsyncLLM:
     async def _call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the engine thread between two steps; its result or exception."""
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._commands.put((fn, future))
+        self._send((fn, future))
         if self._stopped.is_set():  # the thread may be gone: nobody else will answer
             self._drain_stopped()
         return await asyncio.wrap_future(future)
@@ -315,7 +349,16 @@ class AsyncLLM:
     def _loop(self) -> None:
         engine = self.engine
         while True:
-            commands = [self._commands.get()] if not engine.has_work() else []
+            commands = []
+            if not engine.has_work():
+                try:
+                    commands.append(self._commands.get(timeout=self.idle_exit))
+                except queue.Empty:
+                    with self._lock:  # a command sent from here on starts a new thread
+                        if self._commands.empty():
+                            self._running = False
+                            return
+                    continue
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -325,7 +368,9 @@ class AsyncLLM:
                 if command is _STOP:
                     self._fail_all(EngineStopped("the server is shutting down"))
                     self.snapshot = engine.snapshot()
-                    self._stopped.set()
+                    with self._lock:
+                        self._stopped.set()
+                        self._running = False
                     self._drain_stopped()
                     return
                 self._run_command(command)
