@@ -26,7 +26,12 @@ __all__ = ["LLM", "CompletionOutput", "Prompt"]
 class LLM:
     """A model and its engine. ``config`` (``EngineConfig``; keyword ``changes`` replace
     its fields, e.g. ``LLM(kv_cache_memory=128 * 2**20)``) sizes the pool and the steps;
-    ``dtype`` and ``batch_invariant`` choose how the model computes (see ``load_model``)."""
+    ``dtype`` and ``batch_invariant`` choose how the model computes (see ``load_model``).
+
+    It computes on the thread that calls it: call it from one thread. OpenMP keeps a
+    pool of workers for every thread that has computed, and more pools than CPUs make
+    each of a step's products wake a sleeping worker (~1.25x a batch-1 step; the server's
+    ``AsyncLLM`` keeps one engine thread for this reason)."""
 
     def __init__(
         self,
