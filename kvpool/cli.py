@@ -288,9 +288,7 @@ def _cluster(args: argparse.Namespace) -> int:
 def _runtime_options(p: argparse.ArgumentParser) -> None:
     from kvpool.engine import config as engine_config
 
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="default: the fastest measured at load; float32 on the CPU: the exact "
-                        "reference (float products, several times slower)")  # fmt: skip
+    engine_config.add_dtype_argument(p)
     p.add_argument("--max-tokens", type=int, default=128)
     engine_config.add_arguments(p, serving=False)
     p.add_argument("--quiet", action="store_true")

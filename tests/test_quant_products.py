@@ -137,8 +137,8 @@ PACKED = 0x100
 def test_the_exact_path_keeps_the_files_layout_and_the_fast_path_packs():
     """float32 asked for (the exact reference: float products only) keeps every matrix
     in the file's layout, which the vector kernels dequantize (packed rows dequantize one
-    at a time in plain C++: 3.5-8x the time a product); the measured choice packs where
-    the int8 kernels multiply the packed layout."""
+    at a time in plain C++); the measured choice packs where the int8 kernels multiply
+    the packed layout."""
     from kvpool.model.loader import load_model
     from kvpool.model.products import QuantLinear
 

@@ -11,9 +11,9 @@ which any thread reads without waiting.
 The thread ends after ``idle_exit`` seconds without work and a new one starts with the
 next command: OpenMP (libgomp, torch's) keeps a pool of workers for every thread that
 has run a parallel region until that thread ends, and while the pools hold more threads
-than there are CPUs its idle workers hardly spin, so each product of a step wakes one. A
-second model loaded on demand and then idle, its engine thread's pool kept, made the
-first model's batch-1 steps ~1.25x slower (docs/performance.md, fifteenth session).
+than there are CPUs its idle workers hardly spin, so each product of a step wakes one: a
+second model loaded on demand and then idle, its engine thread's pool kept, slowed the
+first model's steps (measured: docs/performance.md, fifteenth session).
 
     llm = AsyncLLM(engine)
     llm.start()

@@ -85,6 +85,14 @@ class EngineConfig:
 DEFAULTS = EngineConfig()
 
 
+def add_dtype_argument(p: argparse.ArgumentParser) -> None:
+    """``--dtype``, as ``kvpool serve`` and ``kvpool generate`` take it (``load_model``)."""
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="compute dtype (default: the fastest measured at load; float32 "
+                        "on the CPU: the exact reference, float products, several times "
+                        "slower)")  # fmt: skip
+
+
 def add_arguments(p: argparse.ArgumentParser, *, serving: bool = True) -> None:
     """Flags for the engine's settings, their defaults from ``EngineConfig``.
     ``serving=False`` (``kvpool generate``): the pool's size and shape only."""

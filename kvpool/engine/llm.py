@@ -30,8 +30,8 @@ class LLM:
 
     It computes on the thread that calls it: call it from one thread. OpenMP keeps a
     pool of workers for every thread that has computed, and more pools than CPUs make
-    each of a step's products wake a sleeping worker (~1.25x a batch-1 step; the server's
-    ``AsyncLLM`` keeps one engine thread for this reason)."""
+    each of a step's products wake a sleeping worker (docs/performance.md, fifteenth
+    session; the server's ``AsyncLLM`` keeps one engine thread for this reason)."""
 
     def __init__(
         self,

@@ -89,8 +89,8 @@ class QuantLinear:
         self.float_out = float_out
         # The packed layout where the int8 kernels have it (the same bytes). Not under an
         # exact policy, which never takes them: its float products dequantize tiles, and
-        # the file's layout dequantizes with the vector kernels (packed rows, one at a
-        # time in plain C++: 3.5-8x the time a product, docs/performance.md).
+        # the file's layout dequantizes with the vector kernels while packed rows
+        # dequantize one at a time in plain C++ (docs/performance.md, fifteenth session).
         if not policy.exact:
             for part in parts:
                 part.pack(policy.variant)

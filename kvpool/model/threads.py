@@ -40,8 +40,8 @@ def in_passing_thread(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     while the pools hold more threads than there are CPUs, an idle worker spins ~1 us
     instead of GOMP_SPINCOUNT's ~100 us before it sleeps, so each of a decode step's
     ~120 parallel regions wakes a sleeping worker. A model loaded on the thread that then
-    serves HTTP left such a pool beside the engine thread's: the default model's batch-1
-    steps took ~1.25x the time (docs/performance.md, fifteenth session)."""
+    serves HTTP left such a pool beside the engine thread's, and every batch-1 step paid
+    for it (measured: docs/performance.md, fifteenth session)."""
     box: dict[str, Any] = {}
 
     def run() -> None:

@@ -43,10 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GGUF path or Ollama model name (default: the built-in model)")  # fmt: skip
     p.add_argument("--host", default=None, help=f"default {DEFAULT_HOST} (or KVPOOL_HOST)")
     p.add_argument("--port", type=int, default=None, help=f"default {DEFAULT_PORT}; 0: any free")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="compute dtype (default: the fastest measured at load; float32 "
-                        "on the CPU: the exact reference, float products, several times "
-                        "slower)")  # fmt: skip
+    engine_config.add_dtype_argument(p)
     engine_config.add_arguments(p)
     p.add_argument("--batch-invariant", action="store_true",
                    help="int8 products at every step size, in any dtype: no output depends "
