@@ -51,6 +51,10 @@ class AttentionBatch:
     # sequence's new tokens are consecutive), block tables [B, N] and context lengths
     # [B]; the fields above are then unused.
     varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Steps with chunks longer than one token: each row's (flat index of its first new
+    # token, new tokens, context tokens), for ``chunk_attention`` (its new tokens are
+    # consecutive and the last of its context).
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -139,6 +143,15 @@ def attend(
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
         out = torch.bmm(probs, values)  # [nkv * b, g, d]
         return out.view(nkv, b, g, d).transpose(0, 1).reshape(b, nh * d)
+    if batch.spans:
+        keys = keys.view(nkv, b, length, d)
+        values = values.view(nkv, b, length, d)
+        parts = [
+            chunk_attention(q[first : first + n], keys[:, r, :ctx], values[:, r, :ctx])
+            for r, (first, n, ctx) in enumerate(batch.spans)
+        ]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.reshape(-1 if rows else q.shape[0], nh * d)
     queries = q[batch.query_index].transpose(1, 2)  # [B, nh, Q, d]
     keys = keys.view(nkv, b, length, d).transpose(0, 1)
     values = values.view(nkv, b, length, d).transpose(0, 1)
@@ -147,6 +160,28 @@ def attend(
     )
     out = out.transpose(1, 2)[batch.query_valid]
     return out.reshape(-1 if rows else q.shape[0], nh * d)
+
+
+def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """One sequence's chunk of new tokens ``q`` ``[n, heads, dim]`` over its context
+    ``keys``/``values`` ``[kv_heads, ctx, dim]``, whose last ``n`` positions are the
+    chunk's own -> ``[n, heads, dim]``.
+
+    Each query row's result is a function of that row and the keys up to its position
+    only, bit for bit: the same alone or batched, and the same whether its prompt was
+    computed in one chunk or after a cache hit (SDPA's results change with masked keys
+    padded on, so none are: the context is sliced to its length). A chunk at the start
+    of its context runs SDPA's ``is_causal``, which skips the masked half of the scores
+    and gives the masked form's bits; a later chunk runs with its mask."""
+    n, ctx = q.shape[0], keys.shape[1]
+    qh, kh, vh = q.transpose(0, 1)[None], keys[None], values[None]  # [1, heads, len, dim]
+    if ctx == n:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    else:
+        i = torch.arange(n, device=q.device)[:, None]
+        mask = torch.arange(ctx, device=q.device)[None, :] <= i + (ctx - n)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 def attend_split(

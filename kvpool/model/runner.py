@@ -217,6 +217,9 @@ class ModelRunner:
         mask &= query_valid[:, :, None]
         mask[:, :, 0] |= ~query_valid  # padded query rows attend to something (no NaN)
         last_index = torch.tensor(offsets) + torch.tensor(q_lens) - 1
+        spans = []
+        if q_max > 1:
+            spans = [(offsets[b], q_lens[b], c) for b, c in zip(rows, ctx_t.tolist(), strict=True)]
         return AttentionBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
@@ -232,6 +235,7 @@ class ModelRunner:
             shared_prefixes=groups,
             decode=decode,
             varlen=varlen,
+            spans=spans,
         )
 
     def forward(
