@@ -27,9 +27,9 @@ def test_serve_without_flags_runs_the_defaults():
 def test_every_field_is_reachable_from_kvpool_serve():
     args = serve_args(
         "--kv-cache-memory", "64", "--block-size", "32", "--kv-cache-dtype", "float32",
-        "--max-batch-tokens", "512", "--max-running", "8", "--watermark", "0.05",
-        "--policy", "static", "--no-prefix-caching", "--seed", "7", "--max-queue", "9",
-        "--kv-offload", "/tmp/tier", "--kv-offload-size", "64",
+        "--max-batch-tokens", "512", "--step-target-ms", "250", "--max-running", "8",
+        "--watermark", "0.05", "--policy", "static", "--no-prefix-caching", "--seed", "7",
+        "--max-queue", "9", "--kv-offload", "/tmp/tier", "--kv-offload-size", "64",
     )  # fmt: skip
     config = from_args(args, max_queue=args.max_queue)
     assert config == EngineConfig(
@@ -37,6 +37,7 @@ def test_every_field_is_reachable_from_kvpool_serve():
         kv_cache_memory=64 * MiB,
         kv_cache_dtype="float32",
         max_batch_tokens=512,
+        step_target_ms=250.0,
         max_running=8,
         watermark=0.05,
         policy=Policy.STATIC,
@@ -71,6 +72,8 @@ def test_every_field_is_reachable_from_kvpool_serve():
         {"kv_cache_dtype": "int3"},
         {"num_blocks": 0},
         {"max_queue": -2},
+        {"step_target_ms": -1.0},
+        {"step_target_ms": float("nan")},
         {"kv_offload_dir": "/tmp/t", "kv_offload_memory": 1 << 20},
         {"kv_offload_memory": 0},
     ],

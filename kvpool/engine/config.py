@@ -34,6 +34,9 @@ class EngineConfig:
     num_blocks: int | None = None  # the pool in blocks instead of bytes (tests, benchmarks)
     kv_cache_dtype: str = "auto"  # "auto": the model's compute dtype
     max_batch_tokens: int = 2048  # tokens computed in one step; longer prompts are chunked
+    # While requests stream, prompt chunks sized so that a step takes about this long
+    # (estimated from measured steps; at least 32 prompt tokens a step); 0: never capped
+    step_target_ms: float = 500.0
     max_running: int = 256  # requests in the batch at once
     watermark: float = 0.01  # share of the pool kept free when admitting, for growth
     policy: Policy = Policy.PAGED
@@ -69,6 +72,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if not self.step_target_ms >= 0:  # (NaN too)
+            raise ValueError(f"step_target_ms must be >= 0, got {self.step_target_ms}")
         if self.max_queue is not None and self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
 
@@ -109,6 +114,11 @@ def add_arguments(p: argparse.ArgumentParser, *, serving: bool = True) -> None:
         return
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
                    help=f"tokens computed per step (default {d.max_batch_tokens})")  # fmt: skip
+    p.add_argument("--step-target-ms", type=float, default=d.step_target_ms, metavar="MS",
+                   help="while requests stream, size prompt chunks so a step takes about "
+                   "this long (measured; at least 32 prompt tokens a step), so a long "
+                   f"prompt does not hold every stream's next token; 0: chunks of "
+                   f"--max-batch-tokens (default {d.step_target_ms:g})")  # fmt: skip
     p.add_argument("--max-running", type=int, default=d.max_running,
                    help=f"requests in the batch at once (default {d.max_running})")  # fmt: skip
     p.add_argument("--watermark", type=float, default=d.watermark, metavar="FRACTION",
@@ -137,6 +147,7 @@ def from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:
     if hasattr(args, "max_batch_tokens"):
         fields.update(
             max_batch_tokens=args.max_batch_tokens,
+            step_target_ms=args.step_target_ms,
             max_running=args.max_running,
             watermark=args.watermark,
             policy=Policy(args.policy),

@@ -43,6 +43,7 @@ from kvpool.engine.sampling import (
 )
 from kvpool.engine.scheduler import Scheduler, Work
 from kvpool.engine.snapshot import EngineSnapshot, TenantSnapshot
+from kvpool.engine.step_cost import StepCost
 from kvpool.engine.structured import GrammarCompiler
 from kvpool.model.kv_store import kv_dtype_name, kv_element_bytes, kv_torch_dtype
 from kvpool.model.llama import LlamaModel
@@ -124,11 +125,14 @@ class Engine:
             tier=self._tier,
         )
         self._runner = ModelRunner(model, num_blocks, config.block_size, kv_dtype=kv_dtype)
+        self.step_cost = StepCost()  # learned from the steps, sizes prompt chunks
         self._scheduler = Scheduler(
             self._manager,
             max_batch_tokens=config.max_batch_tokens,
             max_running=config.max_running,
             watermark=config.watermark,
+            step_cost=self.step_cost,
+            step_target=config.step_target_ms / 1000,
         )
         self._sampler = Sampler(config.seed)
         self._outputs = OutputProcessor(
@@ -409,6 +413,7 @@ class Engine:
             self._scheduler.pending_copies = []
         if not work:
             return rejected
+        started = time.perf_counter()
         logits, states, work, failed, scored = self._forward_isolating(work)
         progressed = list(rejected) + failed
         if not work:
@@ -454,6 +459,10 @@ class Engine:
                     if reason:
                         self._scheduler.finish(request, reason)
                 progressed.append(request)
+        if not failed:  # (a failed batch ran again in parts: its time says nothing)
+            decode_rows = sum(1 for w in work if len(w.token_ids) == 1)
+            prompt_tokens = sum(len(w.token_ids) for w in work if len(w.token_ids) > 1)
+            self.step_cost.observe(decode_rows, prompt_tokens, time.perf_counter() - started)
         return progressed
 
     def _end_at_stop_string(self, request: Request) -> None:

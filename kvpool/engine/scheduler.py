@@ -14,6 +14,12 @@ running, none, on par with static). When a running request needs a block and non
 free, the most recently admitted request is preempted: its computed blocks go to the
 cache, and it waits at the head of the queue to be prefilled again (mostly cache hits).
 
+While requests are streaming (running with output), the prompt tokens of a step are
+capped so that the step takes about ``step_target`` seconds (``StepCost``'s estimate
+from the steps that ran, at least ``MIN_PROMPT_CHUNK`` tokens): a long prompt is then
+computed over several short steps instead of holding every stream's next token for the
+whole chunk. With nobody streaming, chunks take the whole token budget.
+
 Invariant: a running request's block table holds ``len(request.tokens)`` tokens after
 ``schedule`` (its pending last token included); the scheduler is the block manager's
 only caller besides ``Engine`` freeing finished requests.
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 from kvpool.cache import KVCacheManager, OutOfBlocks
 from kvpool.engine.fair_queue import FairQueue
 from kvpool.engine.request import Request, Status
+from kvpool.engine.step_cost import StepCost
 
 
 @dataclass
@@ -59,10 +66,15 @@ class Scheduler:
         max_batch_tokens: int,
         max_running: int,
         watermark: float,
+        step_cost: StepCost | None = None,
+        step_target: float = 0.0,
     ) -> None:
-        """The settings are ``EngineConfig``'s (where their defaults live)."""
+        """The settings are ``EngineConfig``'s (where their defaults live);
+        ``step_target`` in seconds, 0: prompt chunks never capped for streams."""
         self.manager = manager
         self.max_batch_tokens = max_batch_tokens
+        self.step_cost = step_cost if step_cost is not None else StepCost()
+        self.step_target = step_target
         self.max_running = max_running
         self.watermark_blocks = int(watermark * manager.num_blocks)
         self.waiting = FairQueue()
@@ -84,20 +96,27 @@ class Scheduler:
     def schedule(self) -> tuple[list[Work], list[Request]]:
         """The step's work, and requests rejected because they cannot fit even alone."""
         budget = self.max_batch_tokens
+        prompt_budget = self.prompt_budget()  # tokens of chunks longer than one
         work: list[Work] = []
         for request in sorted(self.running, key=lambda r: r.admitted):
             if request.status is not Status.RUNNING or budget <= 0:
                 continue
+            prompt = len(request.tokens) - request.num_computed > 1
+            if prompt and prompt_budget <= 0:
+                continue  # its prompt goes on next step
             if not self._hold_all_tokens(request):
                 continue  # preempted to make room (itself being the latest)
             end = min(len(request.tokens), request.num_computed + budget)
+            if prompt:
+                end = min(end, request.num_computed + prompt_budget)
+                prompt_budget -= end - request.num_computed
             chunk = request.tokens[request.num_computed : end]
             work.append(Work(request, request.num_computed, chunk))
             budget -= len(chunk)
         rejected: list[Request] = []
         growth = sum(self._growth_blocks(r) for r in self.running) if self.waiting else 0
         for request in self.waiting.in_turn(self.max_running):
-            if budget <= 0 or len(self.running) >= self.max_running:
+            if budget <= 0 or prompt_budget <= 0 or len(self.running) >= self.max_running:
                 break
             if self.manager.enable_prefix_caching and self._prefix_in_flight(request):
                 continue  # it keeps its place; others go ahead this step
@@ -144,11 +163,20 @@ class Scheduler:
                 counters.cached_prompt_tokens += alloc.num_cached_tokens
             self.running.append(request)
             growth += own
-            end = min(len(request.tokens), request.num_computed + budget)
+            end = min(len(request.tokens), request.num_computed + min(budget, prompt_budget))
             chunk = request.tokens[request.num_computed : end]
             work.append(Work(request, request.num_computed, chunk))
             budget -= len(chunk)
+            prompt_budget -= len(chunk)
         return work, rejected
+
+    def prompt_budget(self) -> int:
+        """Prompt tokens this step may compute: the token budget, or while requests
+        stream (running, with output) the tokens ``step_cost`` expects to fit in
+        ``step_target`` beside them."""
+        if self.step_target > 0 and any(len(r.tokens) > len(r.prompt_ids) for r in self.running):
+            return self.step_cost.prompt_tokens_within(self.step_target, self.max_batch_tokens)
+        return self.max_batch_tokens
 
     def fork(self, parent: Request, child: Request) -> None:
         """Start ``child`` as a copy of running ``parent``, sharing all its blocks (the

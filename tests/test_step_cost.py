@@ -1,0 +1,145 @@
+"""Prompt chunks sized to keep streams moving: ``StepCost``'s estimates, the scheduler's
+cap while requests stream, and the engine under it (its outputs unchanged)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvpool.cache import KVCacheManager
+from kvpool.engine.request import Request
+from kvpool.engine.sampling import SamplingParams
+from kvpool.engine.scheduler import Scheduler
+from kvpool.engine.step_cost import MIN_PROMPT_CHUNK, StepCost
+
+STREAM = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def test_estimates_follow_a_linear_step_time():
+    cost = StepCost()
+    assert cost.prompt_tokens_within(0.5, 2048) == MIN_PROMPT_CHUNK  # nothing measured yet
+    rng = random.Random(0)
+    for _ in range(30):  # a step: 10 ms of decode rows + 2 ms a prompt token
+        rows, tokens = rng.randrange(1, 9), rng.choice([0, 0, 64, 300, 1000])
+        cost.observe(rows, tokens, 0.010 + 0.002 * tokens)
+    # (early prompt steps took the decode part as 0, before it was measured)
+    assert cost.decode_step == pytest.approx(0.010)
+    assert cost.per_prompt_token == pytest.approx(0.002, rel=1e-3)
+    assert cost.prompt_tokens_within(0.5, 2048) in (244, 245)  # (0.5 - 0.01) / 0.002
+    assert cost.prompt_tokens_within(0.5, 100) == 100  # never past the budget
+    assert cost.prompt_tokens_within(0.001, 2048) == MIN_PROMPT_CHUNK  # always progress
+    assert cost.prompt_tokens_within(0.001, 20) == 20
+
+
+def test_small_chunks_and_prompt_only_steps_inform_as_they_can():
+    cost = StepCost()
+    cost.observe(1, 5, 1.0)  # five prompt tokens: the step's fixed part, not theirs
+    assert cost.per_prompt_token is None
+    cost.observe(0, 1000, 2.0)  # no decode rows: the whole step is the prompt's
+    assert cost.per_prompt_token == pytest.approx(0.002)
+    cost.observe(3, 0, 0.05)
+    cost.observe(3, 100, 0.01)  # faster than its decode rows alone (noise): no negative
+    assert cost.per_prompt_token >= 0
+
+
+def _running(scheduler: Scheduler, prompt: list[int], produced: int) -> Request:
+    """A request admitted and computed, with ``produced`` output tokens."""
+    request = Request(f"r{len(scheduler.running)}", list(prompt), STREAM)
+    scheduler.add(request)
+    while request.num_computed < len(request.tokens):
+        work, _ = scheduler.schedule()
+        scheduler.after_forward(work)
+    for i in range(produced):
+        request.tokens.append(7 + i)
+        work, _ = scheduler.schedule()
+        scheduler.after_forward(work)
+    return request
+
+
+def _scheduler(step_target: float, cost: StepCost) -> Scheduler:
+    manager = KVCacheManager(512, 16)
+    return Scheduler(
+        manager, max_batch_tokens=2048, max_running=8, watermark=0.0, step_cost=cost,
+        step_target=step_target,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("step_target", [0.1, 0.0])
+def test_a_long_prompt_beside_a_stream_is_computed_in_steps_of_the_target(step_target):
+    cost = StepCost()
+    cost.observe(1, 0, 0.010)
+    cost.observe(0, 1000, 1.0)  # 1 ms a prompt token: 0.1 s holds 90 beside the stream
+    scheduler = _scheduler(step_target, cost)
+    stream = _running(scheduler, [3] * 20, produced=1)
+    long = Request("long", [5 + i % 50 for i in range(3000)], STREAM)
+    scheduler.add(long)
+    chunks = []
+    while long.num_computed < len(long.tokens):
+        stream.tokens.append(9)  # the stream's next token, sampled in the last step
+        work, _ = scheduler.schedule()
+        by_request = {w.request.request_id: w for w in work}
+        assert len(by_request[stream.request_id].token_ids) == 1  # the stream goes on
+        chunks.append(len(by_request["long"].token_ids))
+        scheduler.after_forward(work)
+    if step_target:
+        assert set(chunks[:-1]) == {90} and 0 < chunks[-1] <= 90
+    else:
+        assert chunks == [2047, 3000 - 2047]  # the budget less the stream's token
+
+
+def test_with_nobody_streaming_chunks_take_the_whole_budget():
+    cost = StepCost()
+    cost.observe(1, 0, 0.010)
+    cost.observe(0, 1000, 1.0)
+    scheduler = _scheduler(0.1, cost)
+    first = Request("first", [3] * 100, STREAM)  # a prompt: nobody streams yet
+    long = Request("long", [5 + i % 50 for i in range(3000)], STREAM)
+    scheduler.add(first)
+    scheduler.add(long)
+    work, _ = scheduler.schedule()
+    assert [(w.request, len(w.token_ids)) for w in work] == [(first, 100), (long, 1948)]
+
+
+def test_the_engine_sizes_chunks_while_streaming_and_answers_the_same(fp32_model):
+    """A long prompt arriving while another request streams: every step that computes
+    part of it beside the stream holds at most the measured cap, and both answers are
+    the tokens each gets with chunks of the whole budget."""
+    from kvpool.engine.engine import Engine
+
+    rng = random.Random(5)
+    stream_prompt = [rng.randrange(3, 49152) for _ in range(12)]
+    long_prompt = [rng.randrange(3, 49152) for _ in range(700)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+    def run(step_target_ms: float) -> tuple[list[list[int]], list[int]]:
+        engine = Engine(fp32_model, num_blocks=128, step_target_ms=step_target_ms)
+        # a measured machine where 0.2 s holds 64 prompt tokens beside a decode step
+        engine.step_cost.observe(1, 0, 0.008)
+        engine.step_cost.observe(0, 1000, 3.0)
+        engine.step_cost.observe = lambda *args: None  # (kept fixed: no timing here)
+        engine.add_request(stream_prompt, params, request_id="stream")
+        for _ in range(3):
+            engine.step()
+        engine.add_request(long_prompt, params, request_id="long")
+        schedule, chunks = engine._scheduler.schedule, []
+
+        def recorded():
+            work, rejected = schedule()
+            chunks.extend(len(w.token_ids) for w in work if w.request.request_id == "long")
+            return work, rejected
+
+        engine._scheduler.schedule = recorded
+        tokens: dict[str, list[int]] = {}
+        while engine.has_work():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        assert engine.cache_stats().used_blocks == 0
+        return [tokens["stream"], tokens["long"]], chunks
+
+    capped, capped_chunks = run(200.0)
+    whole, whole_chunks = run(0.0)
+    assert capped == whole
+    prompt_chunks = capped_chunks[: capped_chunks.index(1)]  # before its own decoding
+    assert max(prompt_chunks) == 64 and sum(prompt_chunks) == len(long_prompt)
+    assert whole_chunks[0] == len(long_prompt)
