@@ -193,13 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     bench.add_argument(
         "--local", action="append", default=None, choices=["kvpool", "kvpool-noprefix",
-        "kvpool-static"], help="serve: start this kvpool configuration (default: kvpool)",
+        "kvpool-static", "kvpool-whole-chunks"],
+        help="serve: start this kvpool configuration (default: kvpool; whole-chunks: "
+        "--step-target-ms 0)",
     )  # fmt: skip
     bench.add_argument("--clients", type=int, default=64, help="serve: concurrent clients")
     bench.add_argument(
         "--workloads", nargs="+", default=None,
         help="engine: shared-prefix distinct chat prefix-length block-size (default: all); "
-        "serve: system-prompts shared-prefix distinct chat (default: the last three); "
+        "serve: system-prompts shared-prefix distinct chat long-prompt (default: "
+        "shared-prefix distinct chat); "
         "cluster: default system-prompts chat",
     )  # fmt: skip
     bench.add_argument(

@@ -11,36 +11,46 @@ from kvpool.cache import KVCacheManager
 from kvpool.engine.request import Request
 from kvpool.engine.sampling import SamplingParams
 from kvpool.engine.scheduler import Scheduler
-from kvpool.engine.step_cost import MIN_PROMPT_CHUNK, StepCost
+from kvpool.engine.step_cost import StepCost
 
 STREAM = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
-def test_estimates_follow_a_linear_step_time():
+def test_estimates_follow_a_step_time_linear_in_tokens_and_context():
     cost = StepCost()
-    assert cost.prompt_tokens_within(0.5, 2048) == MIN_PROMPT_CHUNK  # nothing measured yet
+    assert cost.tokens_within(0.5, 0, 2048) == 0  # nothing measured yet
     rng = random.Random(0)
-    for _ in range(30):  # a step: 10 ms of decode rows + 2 ms a prompt token
-        rows, tokens = rng.randrange(1, 9), rng.choice([0, 0, 64, 300, 1000])
-        cost.observe(rows, tokens, 0.010 + 0.002 * tokens)
-    # (early prompt steps took the decode part as 0, before it was measured)
+    a, b = 0.002, 0.0005  # seconds a prompt token, and a token and 1000 positions
+    for _ in range(40):  # a step: 10 ms of decode rows + its chunks
+        rows = rng.randrange(0, 9)
+        chunks = [
+            (rng.randrange(0, 8000), rng.choice([64, 300, 1000]))
+            for _ in range(rng.randrange(0, 3))
+        ]
+        prompt = sum(n * (a + b * (s + n / 2) / 1000) for s, n in chunks)
+        cost.observe(rows, chunks, (0.010 if rows else 0.0) + prompt)
     assert cost.decode_step == pytest.approx(0.010)
-    assert cost.per_prompt_token == pytest.approx(0.002, rel=1e-3)
-    assert cost.prompt_tokens_within(0.5, 2048) in (244, 245)  # (0.5 - 0.01) / 0.002
-    assert cost.prompt_tokens_within(0.5, 100) == 100  # never past the budget
-    assert cost.prompt_tokens_within(0.001, 2048) == MIN_PROMPT_CHUNK  # always progress
-    assert cost.prompt_tokens_within(0.001, 20) == 20
+    assert cost.per_token == pytest.approx(a, rel=1e-2)
+    assert cost.per_token_context == pytest.approx(b, rel=1e-2)
+    # 0.49 s of prompt at the start of a context, and 6000 positions into it
+    assert cost.tokens_within(0.49, 0, 2048) in range(236, 241)  # n (a + b n / 2000) = 0.49
+    deep = cost.tokens_within(0.49, 6000, 2048)
+    assert deep in range(95, 100)  # n (a + b (6 + n / 2000)) = 0.49
+    assert cost.prompt_seconds(deep, 6000) == pytest.approx(0.49, rel=0.02)
+    assert cost.tokens_within(0.49, 0, 100) == 100  # never past what is asked
+    assert cost.tokens_within(0.0, 0, 100) == 0
 
 
 def test_small_chunks_and_prompt_only_steps_inform_as_they_can():
     cost = StepCost()
-    cost.observe(1, 5, 1.0)  # five prompt tokens: the step's fixed part, not theirs
-    assert cost.per_prompt_token is None
-    cost.observe(0, 1000, 2.0)  # no decode rows: the whole step is the prompt's
-    assert cost.per_prompt_token == pytest.approx(0.002)
-    cost.observe(3, 0, 0.05)
-    cost.observe(3, 100, 0.01)  # faster than its decode rows alone (noise): no negative
-    assert cost.per_prompt_token >= 0
+    cost.observe(1, [(0, 5)], 1.0)  # five prompt tokens: the step's fixed part, not theirs
+    assert not cost.measured
+    cost.observe(0, [(0, 1000)], 2.0)  # no decode rows: the whole step is the prompt's
+    assert cost.measured and cost.per_token == pytest.approx(0.002)
+    assert cost.per_token_context == 0  # one context seen: per token only
+    cost.observe(3, [], 0.05)
+    cost.observe(3, [(0, 100)], 0.01)  # faster than its decode rows alone (noise)
+    assert cost.per_token >= 0 and cost.per_token_context >= 0
 
 
 def _running(scheduler: Scheduler, prompt: list[int], produced: int) -> Request:
@@ -68,8 +78,8 @@ def _scheduler(step_target: float, cost: StepCost) -> Scheduler:
 @pytest.mark.parametrize("step_target", [0.1, 0.0])
 def test_a_long_prompt_beside_a_stream_is_computed_in_steps_of_the_target(step_target):
     cost = StepCost()
-    cost.observe(1, 0, 0.010)
-    cost.observe(0, 1000, 1.0)  # 1 ms a prompt token: 0.1 s holds 90 beside the stream
+    cost.observe(1, [], 0.010)
+    cost.observe(0, [(0, 1000)], 1.0)  # 1 ms a prompt token: 0.1 s holds 90 beside the stream
     scheduler = _scheduler(step_target, cost)
     stream = _running(scheduler, [3] * 20, produced=1)
     long = Request("long", [5 + i % 50 for i in range(3000)], STREAM)
@@ -90,8 +100,8 @@ def test_a_long_prompt_beside_a_stream_is_computed_in_steps_of_the_target(step_t
 
 def test_with_nobody_streaming_chunks_take_the_whole_budget():
     cost = StepCost()
-    cost.observe(1, 0, 0.010)
-    cost.observe(0, 1000, 1.0)
+    cost.observe(1, [], 0.010)
+    cost.observe(0, [(0, 1000)], 1.0)
     scheduler = _scheduler(0.1, cost)
     first = Request("first", [3] * 100, STREAM)  # a prompt: nobody streams yet
     long = Request("long", [5 + i % 50 for i in range(3000)], STREAM)
@@ -115,8 +125,8 @@ def test_the_engine_sizes_chunks_while_streaming_and_answers_the_same(fp32_model
     def run(step_target_ms: float) -> tuple[list[list[int]], list[int]]:
         engine = Engine(fp32_model, num_blocks=128, step_target_ms=step_target_ms)
         # a measured machine where 0.2 s holds 64 prompt tokens beside a decode step
-        engine.step_cost.observe(1, 0, 0.008)
-        engine.step_cost.observe(0, 1000, 3.0)
+        engine.step_cost.observe(1, [], 0.008)
+        engine.step_cost.observe(0, [(0, 1000)], 3.0)
         engine.step_cost.observe = lambda *args: None  # (kept fixed: no timing here)
         engine.add_request(stream_prompt, params, request_id="stream")
         for _ in range(3):
@@ -143,3 +153,24 @@ def test_the_engine_sizes_chunks_while_streaming_and_answers_the_same(fp32_model
     prompt_chunks = capped_chunks[: capped_chunks.index(1)]  # before its own decoding
     assert max(prompt_chunks) == 64 and sum(prompt_chunks) == len(long_prompt)
     assert whole_chunks[0] == len(long_prompt)
+
+
+def test_chunks_shrink_as_the_context_they_attend_to_grows():
+    cost = StepCost()
+    cost.observe(1, [], 0.010)
+    for start in (0, 4000, 0, 4000):  # 1 ms a token + 0.25 ms a token and 1000 positions
+        cost.observe(0, [(start, 1000)], 1000 * (0.001 + 0.00025 * (start + 500) / 1000))
+    scheduler = _scheduler(0.1, cost)
+    stream = _running(scheduler, [3] * 20, produced=1)
+    long = Request("long", [5 + i % 50 for i in range(6000)], STREAM)
+    scheduler.add(long)
+    chunks = []
+    while long.num_computed < len(long.tokens):
+        stream.tokens.append(9)
+        work, _ = scheduler.schedule()
+        chunks += [(w.start, len(w.token_ids)) for w in work if w.request is long]
+        scheduler.after_forward(work)
+    sizes = [n for _, n in chunks[:-1]]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 1.5 * sizes[-1]
+    for start, n in chunks[:-1]:  # each fills the 0.09 s left beside the decode step
+        assert 0.08 < cost.prompt_seconds(n, start) <= 0.09

@@ -12,10 +12,14 @@ where the server accepts it):
   (the answer so far included), 48 output tokens per turn; conversations run at once;
 - ``system-prompts``: 8 distinct ~600-token system prompts, N questions each, interleaved,
   16 output tokens (the cluster benchmark's: a router must send each prompt's requests
-  where it is cached).
+  where it is cached);
+- ``long-prompt``: ~60-token questions streaming 96 tokens each, and among the first of
+  them one ~4,000-token document to summarize in 16 tokens: how long the streams wait
+  while the document's prompt is computed (the gap columns).
 
 Per workload and server: wall time, output tokens/s, time to first token and request
-latency p50/p99, prompt tokens and how many the server reported cached.
+latency p50/p99, the longest wait between two pieces of one stream (median over the
+requests, and the longest of all), prompt tokens and how many the server reported cached.
 """
 
 from __future__ import annotations
@@ -92,8 +96,16 @@ def workloads(requests: int = 64, seed: int = 0) -> dict[str, Workload]:
         Conversation([[systems[i % 8], {"role": "user", "content": _text(rng, 12)}]], 16)
         for i in range(8 * requests)
     ]
+    # The document goes second: the first clients' streams have started when it arrives.
+    questions = [
+        Conversation([[{"role": "user", "content": _text(rng, 48)}]], 96) for _ in range(requests)
+    ]
+    document = Conversation(
+        [[{"role": "user", "content": "Summarize: " + _text(rng, 3200)}]], 16
+    )  # ~4,000 tokens in most tokenizers
     return {
         "system-prompts": Workload("system-prompts", prompts),
+        "long-prompt": Workload("long-prompt", [*questions[:1], document, *questions[1:]]),
         "shared-prefix": Workload("shared-prefix", shared),
         "distinct": Workload("distinct", distinct),
         "chat": Workload("chat", chats),
@@ -107,6 +119,7 @@ class Result:
     output_tokens: int
     prompt_tokens: int
     cached_tokens: int
+    gap: float = 0.0  # the longest wait between two pieces of the stream (seconds)
 
 
 @dataclass
@@ -128,13 +141,15 @@ class Row:
             f"{self.wall_s:>7.1f} {out / self.wall_s:>8.1f} "
             f"{_pct([x.ttft for x in r], 50):>7.2f} {_pct([x.ttft for x in r], 99):>7.2f} "
             f"{_pct([x.latency for x in r], 50):>7.2f} {_pct([x.latency for x in r], 99):>7.2f} "
+            f"{_pct([x.gap for x in r], 50):>7.2f} {max((x.gap for x in r), default=0):>7.2f} "
             f"{prompt:>8} {100 * cached / max(prompt, 1):>6.1f}%"
         )
 
 
 HEADER = (
     f"{'workload':<14} {'server':<18} {'reqs':>5} {'errs':>4} {'wall s':>7} {'out t/s':>8} "
-    f"{'ttft50':>7} {'ttft99':>7} {'lat50':>7} {'lat99':>7} {'prompt':>8} {'cached':>7}"
+    f"{'ttft50':>7} {'ttft99':>7} {'lat50':>7} {'lat99':>7} {'gap50':>7} {'gapmax':>7} "
+    f"{'prompt':>8} {'cached':>7}"
 )
 
 
@@ -159,7 +174,8 @@ async def _one(
         "ignore_eos": True,
     }
     start = time.perf_counter()
-    first = None
+    first = last = None
+    gap = 0.0
     text, chunks, usage = "", 0, None
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as reply:
         if reply.status_code != 200:
@@ -173,7 +189,10 @@ async def _one(
             for choice in chunk.get("choices") or []:
                 piece = (choice.get("delta") or {}).get("content") or ""
                 if piece:
-                    first = first or time.perf_counter()
+                    now = time.perf_counter()
+                    first = first or now
+                    gap = max(gap, now - (last or now))
+                    last = now
                     text += piece
                     chunks += 1
     end = time.perf_counter()
@@ -185,6 +204,7 @@ async def _one(
         output_tokens=usage.get("completion_tokens", chunks),
         prompt_tokens=usage.get("prompt_tokens", 0),
         cached_tokens=details.get("cached_tokens") or 0,
+        gap=gap,
     )
     return result, text
 
@@ -234,6 +254,7 @@ LOCAL_CONFIGS = {
     "kvpool": [],
     "kvpool-noprefix": ["--no-prefix-caching"],
     "kvpool-static": ["--policy", "static"],
+    "kvpool-whole-chunks": ["--step-target-ms", "0"],  # prompt chunks never capped
 }
 
 

@@ -461,8 +461,8 @@ class Engine:
                 progressed.append(request)
         if not failed:  # (a failed batch ran again in parts: its time says nothing)
             decode_rows = sum(1 for w in work if len(w.token_ids) == 1)
-            prompt_tokens = sum(len(w.token_ids) for w in work if len(w.token_ids) > 1)
-            self.step_cost.observe(decode_rows, prompt_tokens, time.perf_counter() - started)
+            chunks = [(w.start, len(w.token_ids)) for w in work if len(w.token_ids) > 1]
+            self.step_cost.observe(decode_rows, chunks, time.perf_counter() - started)
         return progressed
 
     def _end_at_stop_string(self, request: Request) -> None:

@@ -14,11 +14,12 @@ running, none, on par with static). When a running request needs a block and non
 free, the most recently admitted request is preempted: its computed blocks go to the
 cache, and it waits at the head of the queue to be prefilled again (mostly cache hits).
 
-While requests are streaming (running with output), the prompt tokens of a step are
-capped so that the step takes about ``step_target`` seconds (``StepCost``'s estimate
-from the steps that ran, at least ``MIN_PROMPT_CHUNK`` tokens): a long prompt is then
-computed over several short steps instead of holding every stream's next token for the
-whole chunk. With nobody streaming, chunks take the whole token budget.
+While requests are streaming (running with output), a step's prompt chunks get what is
+left of ``step_target`` seconds beside the decode rows, each chunk as many tokens as
+``StepCost`` expects to fit from its context position (at least ``MIN_PROMPT_CHUNK``
+prompt tokens a step): a long prompt is then computed over several short steps instead
+of holding every stream's next token for the whole chunk. With nobody streaming,
+chunks take the whole token budget.
 
 Invariant: a running request's block table holds ``len(request.tokens)`` tokens after
 ``schedule`` (its pending last token included); the scheduler is the block manager's
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from kvpool.cache import KVCacheManager, OutOfBlocks
 from kvpool.engine.fair_queue import FairQueue
 from kvpool.engine.request import Request, Status
-from kvpool.engine.step_cost import StepCost
+from kvpool.engine.step_cost import MIN_PROMPT_CHUNK, StepCost
 
 
 @dataclass
@@ -96,27 +97,26 @@ class Scheduler:
     def schedule(self) -> tuple[list[Work], list[Request]]:
         """The step's work, and requests rejected because they cannot fit even alone."""
         budget = self.max_batch_tokens
-        prompt_budget = self.prompt_budget()  # tokens of chunks longer than one
+        prompts = self._prompt_time()  # what chunks longer than one may take
         work: list[Work] = []
         for request in sorted(self.running, key=lambda r: r.admitted):
             if request.status is not Status.RUNNING or budget <= 0:
                 continue
-            prompt = len(request.tokens) - request.num_computed > 1
-            if prompt and prompt_budget <= 0:
-                continue  # its prompt goes on next step
+            start = request.num_computed
+            end = min(len(request.tokens), start + budget)
+            if end - start > 1:
+                end = start + prompts.take(start, end - start)
+                if end == start:
+                    continue  # its prompt goes on next step
             if not self._hold_all_tokens(request):
                 continue  # preempted to make room (itself being the latest)
-            end = min(len(request.tokens), request.num_computed + budget)
-            if prompt:
-                end = min(end, request.num_computed + prompt_budget)
-                prompt_budget -= end - request.num_computed
-            chunk = request.tokens[request.num_computed : end]
-            work.append(Work(request, request.num_computed, chunk))
+            chunk = request.tokens[start:end]
+            work.append(Work(request, start, chunk))
             budget -= len(chunk)
         rejected: list[Request] = []
         growth = sum(self._growth_blocks(r) for r in self.running) if self.waiting else 0
         for request in self.waiting.in_turn(self.max_running):
-            if budget <= 0 or prompt_budget <= 0 or len(self.running) >= self.max_running:
+            if budget <= 0 or prompts.spent or len(self.running) >= self.max_running:
                 break
             if self.manager.enable_prefix_caching and self._prefix_in_flight(request):
                 continue  # it keeps its place; others go ahead this step
@@ -163,20 +163,22 @@ class Scheduler:
                 counters.cached_prompt_tokens += alloc.num_cached_tokens
             self.running.append(request)
             growth += own
-            end = min(len(request.tokens), request.num_computed + min(budget, prompt_budget))
-            chunk = request.tokens[request.num_computed : end]
-            work.append(Work(request, request.num_computed, chunk))
+            start = request.num_computed
+            end = min(len(request.tokens), start + budget)
+            if end - start > 1:  # (its first step, then: at least one token)
+                end = start + max(1, prompts.take(start, end - start))
+            chunk = request.tokens[start:end]
+            work.append(Work(request, start, chunk))
             budget -= len(chunk)
-            prompt_budget -= len(chunk)
         return work, rejected
 
-    def prompt_budget(self) -> int:
-        """Prompt tokens this step may compute: the token budget, or while requests
-        stream (running, with output) the tokens ``step_cost`` expects to fit in
-        ``step_target`` beside them."""
+    def _prompt_time(self) -> _PromptTime:
+        """The step's time for prompt chunks: while requests stream (running, with
+        output), ``step_target`` less their decode step; otherwise no limit."""
         if self.step_target > 0 and any(len(r.tokens) > len(r.prompt_ids) for r in self.running):
-            return self.step_cost.prompt_tokens_within(self.step_target, self.max_batch_tokens)
-        return self.max_batch_tokens
+            left = self.step_target - (self.step_cost.decode_step or 0.0)
+            return _PromptTime(self.step_cost, left)
+        return _PromptTime(self.step_cost, None)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Start ``child`` as a copy of running ``parent``, sharing all its blocks (the
@@ -275,6 +277,30 @@ class Scheduler:
         request.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(request)
+
+
+class _PromptTime:
+    """What one step may still spend on prompt chunks: ``seconds`` (None: no limit),
+    and at least ``MIN_PROMPT_CHUNK`` tokens in all."""
+
+    def __init__(self, cost: StepCost, seconds: float | None) -> None:
+        self.cost, self.seconds, self.tokens = cost, seconds, 0
+
+    @property
+    def spent(self) -> bool:
+        return self.seconds is not None and self.seconds <= 0 and self.tokens >= MIN_PROMPT_CHUNK
+
+    def take(self, start: int, want: int) -> int:
+        """Tokens (at most ``want``) of a chunk starting at context position ``start``."""
+        if self.seconds is None:
+            return want
+        n = self.cost.tokens_within(self.seconds, start, want)
+        n = max(n, min(want, MIN_PROMPT_CHUNK - self.tokens))  # the step's floor
+        self.seconds -= self.cost.prompt_seconds(n, start)
+        if not self.cost.measured:
+            self.seconds = 0.0  # nothing known: the floor alone
+        self.tokens += n
+        return n
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -4,18 +4,21 @@ scheduler can size prompt chunks to keep streams moving.
 A step that computes a long prompt chunk beside decoding requests holds every one of
 their next tokens until it ends: 2048 prompt tokens deep into a long context took 13 s
 of the default model's step on a 2-core CPU, and an 8B-class model's takes minutes.
-The scheduler therefore caps the prompt tokens of a step while requests are streaming
-(``prompt_tokens_within``), and leaves chunks at the token budget when nobody waits.
+The scheduler therefore gives a step's prompt chunks a time budget while requests are
+streaming (``tokens_within``), and leaves chunks at the token budget when nobody waits.
 
-Model: a step's time = the decode rows' step time (measured on steps without prompt
-tokens: mostly reading the weights, the same for a few rows or one) + a cost per prompt
-token (measured on steps with at least ``MIN_PROMPT_CHUNK`` of them, the decode part
-taken off). Both are moving averages that follow the latest steps: a prompt's tokens
-cost more as its context grows (attention), and the batch changes.
+Model: a step's time = the decode rows' time (a moving average over steps without
+prompt tokens: mostly reading the weights, about the same for a few rows or one) + for
+each prompt chunk of n tokens starting at context position s, n (a + b (s + n / 2)):
+a per token (the products), b per token and context position (attention reads the
+context). (a, b) is a least-squares fit over the steps with prompt tokens, older steps
+weighing less (``_KEEP`` a step), so that it follows the machine and the model; a chunk
+deep into a long prompt costs several times one at its start, which one average per
+token would learn only after overshooting.
 
-Invariants: estimates are non-negative; ``prompt_tokens_within`` is at least
-``MIN_PROMPT_CHUNK`` (every step makes progress on prompts, and the products keep their
-widest kernels: 32 activation rows) and at most the token budget it is given.
+Invariants: estimates are non-negative; ``tokens_within`` never exceeds what it is
+asked for, and the scheduler gives a step at least ``MIN_PROMPT_CHUNK`` prompt tokens
+(every step makes progress on prompts, and the products keep their widest kernels).
 """
 
 from __future__ import annotations
@@ -24,42 +27,84 @@ from __future__ import annotations
 # their widest passes from 32 activation rows, and a step's weights are read once for
 # all its rows: below this, prompts would advance at a fraction of their speed.
 MIN_PROMPT_CHUNK = 32
-# Weight of the newest step in the moving averages.
+# Weight of the newest decode step in its moving average, and the weight each older
+# prompt step keeps in the fit, a step later.
 _NEWEST = 0.3
+_KEEP = 0.8
+# Context positions enter the fit in thousands of tokens (its sums then stay of one size).
+_SCALE = 1000.0
 
 
 class StepCost:
-    """Moving estimates of a decode step's time and of a prompt token's (seconds)."""
+    """Moving estimates of a decode step's time and of prompt tokens' (seconds)."""
 
     def __init__(self) -> None:
         self.decode_step: float | None = None  # a step of decode rows only
-        self.per_prompt_token: float | None = None
+        self.per_token = 0.0  # a: seconds a prompt token
+        self.per_token_context = 0.0  # b: seconds a prompt token and 1000 context positions
+        self._measured = False
+        # the fit's weighted sums: x = (tokens, tokens x mean position / 1000), y = seconds
+        self._xx = [0.0, 0.0, 0.0]  # sum x0 x0, x0 x1, x1 x1
+        self._xy = [0.0, 0.0]
 
-    def observe(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
-        """A step that computed ``decode_rows`` single tokens and ``prompt_tokens``
-        tokens of longer chunks took ``seconds``."""
+    @property
+    def measured(self) -> bool:
+        """A step with prompt tokens has been seen."""
+        return self._measured
+
+    def observe(self, decode_rows: int, chunks: list[tuple[int, int]], seconds: float) -> None:
+        """A step that computed ``decode_rows`` single tokens and the prompt ``chunks``
+        ((start, tokens) each) took ``seconds``."""
         if seconds < 0:
             return
-        if prompt_tokens == 0:
+        tokens = sum(n for _, n in chunks)
+        if tokens == 0:
             if decode_rows > 0:
-                self.decode_step = _average(self.decode_step, seconds)
+                old = self.decode_step
+                self.decode_step = seconds if old is None else old + _NEWEST * (seconds - old)
             return
-        if prompt_tokens < MIN_PROMPT_CHUNK:
+        if tokens < MIN_PROMPT_CHUNK:
             return  # dominated by the step's fixed part: says little per token
         fixed = (self.decode_step or 0.0) if decode_rows > 0 else 0.0
-        per_token = max(seconds - fixed, 0.0) / prompt_tokens
-        self.per_prompt_token = _average(self.per_prompt_token, per_token)
+        y = max(seconds - fixed, 0.0)
+        x0 = float(tokens)
+        x1 = sum(n * (s + n / 2) for s, n in chunks) / _SCALE
+        self._xx = [_KEEP * v for v in self._xx]
+        self._xy = [_KEEP * v for v in self._xy]
+        self._xx[0] += x0 * x0
+        self._xx[1] += x0 * x1
+        self._xx[2] += x1 * x1
+        self._xy[0] += x0 * y
+        self._xy[1] += x1 * y
+        self.per_token, self.per_token_context = self._fit()
+        self._measured = True
 
-    def prompt_tokens_within(self, seconds: float, budget: int) -> int:
-        """Prompt tokens a step beside decoding requests may compute to take about
-        ``seconds``: between ``MIN_PROMPT_CHUNK`` and ``budget``; the minimum until a
-        prompt token's cost has been measured."""
-        low = min(MIN_PROMPT_CHUNK, budget)
-        if not self.per_prompt_token:
-            return low
-        left = seconds - (self.decode_step or 0.0)
-        return max(low, min(budget, int(left / self.per_prompt_token)))
+    def _fit(self) -> tuple[float, float]:
+        """Least squares (a, b) >= 0; a one-parameter fit where the steps do not tell
+        the two apart (contexts alike) or one would be negative."""
+        s00, s01, s11 = self._xx
+        r0, r1 = self._xy
+        det = s00 * s11 - s01 * s01
+        if det > 1e-9 * s00 * s11:
+            a = (s11 * r0 - s01 * r1) / det
+            b = (s00 * r1 - s01 * r0) / det
+            if a >= 0 and b >= 0:
+                return a, b
+        return max(r0 / s00, 0.0), 0.0  # per token only
 
+    def prompt_seconds(self, tokens: int, start: int) -> float:
+        """Expected seconds of a prompt chunk of ``tokens`` starting at ``start``."""
+        return tokens * (self.per_token + self.per_token_context * (start + tokens / 2) / _SCALE)
 
-def _average(old: float | None, new: float) -> float:
-    return new if old is None else (1 - _NEWEST) * old + _NEWEST * new
+    def tokens_within(self, seconds: float, start: int, most: int) -> int:
+        """Prompt tokens from context position ``start`` expected to take at most
+        ``seconds`` (0 to ``most``); 0 before anything is measured."""
+        if not self._measured or seconds <= 0:
+            return 0
+        a = self.per_token + self.per_token_context * start / _SCALE
+        b = self.per_token_context / _SCALE / 2  # seconds = n a + n^2 b
+        if b > 0:
+            n = (-a + (a * a + 4 * b * seconds) ** 0.5) / (2 * b)
+        else:
+            n = seconds / a if a > 0 else most
+        return max(0, min(most, int(n)))
