@@ -1,9 +1,10 @@
 """Attention over the paged KV store: the ``AttentionBatch`` a step's index tensors are
 held in, and the paths each layer's attention takes (``StepAttention`` picks one per
 step): the native decode op reading each sequence's blocks in place; the torch path,
-which gathers whole context blocks and runs batched products (decode) or SDPA with a
-mask (prefill chunks); a mixed step splitting its single decode tokens off to the native
-op; and decode groups reading a shared prefix once.
+which gathers whole context blocks and runs batched products (decode) or SDPA on each
+sequence's chunk over its context (prompt chunks, ``chunk_attention``); a mixed step
+splitting its single decode tokens off to the native op; and decode groups reading a
+shared prefix once.
 
 Every path computes the same attention: each new query over its own sequence's context
 slots, causal within the chunk, nothing across sequences.
@@ -33,7 +34,6 @@ class AttentionBatch:
     query_index: torch.Tensor  # [B, Qmax] flat index of each sequence's i-th new token
     query_valid: torch.Tensor  # [B, Qmax] bool
     context_blocks: torch.Tensor  # [B, Nmax] block ids of each sequence's context
-    attn_mask: torch.Tensor  # [B, 1, Qmax, Nmax * block_size] bool, True = may attend
     last_index: torch.Tensor  # [B] flat index of each sequence's last new token
     key_valid: torch.Tensor  # [B, Nmax * block_size] bool: context position exists
     context_lens: torch.Tensor  # [B] context tokens in context_blocks
@@ -53,7 +53,7 @@ class AttentionBatch:
     varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # Steps with chunks longer than one token: each row's (flat index of its first new
     # token, new tokens, context tokens), for ``chunk_attention`` (its new tokens are
-    # consecutive and the last of its context).
+    # consecutive and the last of its context); empty for a step of single tokens.
     spans: list[tuple[int, int, int]] = field(default_factory=list)
 
 
@@ -97,10 +97,9 @@ def attend(
     batch: AttentionBatch,
     decode_bias: torch.Tensor | None,
     head_blocks: torch.Tensor,
-    rows: bool = False,
 ) -> torch.Tensor:
     """Each sequence's new queries over its own context slots -> ``[T, heads * dim]``
-    (with ``rows``: only the tokens of ``batch.query_index``, in its order).
+    (a mixed step's: its chunks' tokens only, in their order).
 
     The context is gathered whole blocks at a time (``block_size * dim`` contiguous
     elements per copy, not one token's ``dim``: several times faster than slots), K
@@ -143,23 +142,14 @@ def attend(
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
         out = torch.bmm(probs, values)  # [nkv * b, g, d]
         return out.view(nkv, b, g, d).transpose(0, 1).reshape(b, nh * d)
-    if batch.spans:
-        keys = keys.view(nkv, b, length, d)
-        values = values.view(nkv, b, length, d)
-        parts = [
-            chunk_attention(q[first : first + n], keys[:, r, :ctx], values[:, r, :ctx])
-            for r, (first, n, ctx) in enumerate(batch.spans)
-        ]
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return out.reshape(-1 if rows else q.shape[0], nh * d)
-    queries = q[batch.query_index].transpose(1, 2)  # [B, nh, Q, d]
-    keys = keys.view(nkv, b, length, d).transpose(0, 1)
-    values = values.view(nkv, b, length, d).transpose(0, 1)
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=batch.attn_mask, enable_gqa=True
-    )
-    out = out.transpose(1, 2)[batch.query_valid]
-    return out.reshape(-1 if rows else q.shape[0], nh * d)
+    keys = keys.view(nkv, b, length, d)
+    values = values.view(nkv, b, length, d)
+    parts = [  # each sequence's chunk alone, its new tokens consecutive in q
+        chunk_attention(q[first : first + n], keys[:, r, :ctx], values[:, r, :ctx])
+        for r, (first, n, ctx) in enumerate(batch.spans)
+    ]
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.reshape(-1, nh * d)
 
 
 def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -167,12 +157,12 @@ def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -
     ``keys``/``values`` ``[kv_heads, ctx, dim]``, whose last ``n`` positions are the
     chunk's own -> ``[n, heads, dim]``.
 
-    Each query row's result is a function of that row and the keys up to its position
-    only, bit for bit: the same alone or batched, and the same whether its prompt was
-    computed in one chunk or after a cache hit (SDPA's results change with masked keys
-    padded on, so none are: the context is sliced to its length). A chunk at the start
-    of its context runs SDPA's ``is_causal``, which skips the masked half of the scores
-    and gives the masked form's bits; a later chunk runs with its mask."""
+    A chunk's rows are the same alone or batched: SDPA's results change with masked
+    keys padded on, so none are (the context is sliced to its length). A chunk at the
+    start of its context runs SDPA's ``is_causal``, which skips the masked half of the
+    scores and gives the masked form's bits; a later chunk runs with its mask. (SDPA's
+    rows still depend in the last bits on where a chunk starts, through its blocks of
+    rows, unless at a multiple of 64: docs/performance.md, sixteenth session.)"""
     n, ctx = q.shape[0], keys.shape[1]
     qh, kh, vh = q.transpose(0, 1)[None], keys[None], values[None]  # [1, heads, len, dim]
     if ctx == n:
@@ -198,7 +188,7 @@ def attend_split(
     d = model.config.head_dim
     out = torch.empty(q.shape[0], q.shape[1] * d, dtype=q.dtype, device=q.device)
     chunked = batch.query_index[batch.query_valid]
-    out[chunked] = attend(model, q, kv.layers[layer], batch, None, head_blocks, rows=True)
+    out[chunked] = attend(model, q, kv.layers[layer], batch, None, head_blocks)
     native = model.native_decode
     out[tokens] = model._heavy(
         native, q[tokens].contiguous(), kv.layers[layer], blocks, lens, kv.block_size,

@@ -135,7 +135,6 @@ class ModelRunner:
             query_index=rows[:, None].to(device),
             query_valid=torch.ones(n, 1, dtype=torch.bool, device=device),
             context_blocks=torch.tensor(padded, device=device),
-            attn_mask=key_valid[:, None, None, :].to(device),
             last_index=rows.to(device),
             key_valid=key_valid.to(device),
             context_lens=ctx_t.to(device),
@@ -150,7 +149,7 @@ class ModelRunner:
         ctx_lens: list[int],
     ) -> AttentionBatch:
         """Any step's tensors: queries padded to the longest chunk, keys to the longest
-        context, masks over both."""
+        context (the blocks gathered), each chunk's span (chunk_attention's)."""
         bs = self.block_size
         device = self.model.device
         input_ids: list[int] = []
@@ -212,10 +211,6 @@ class ModelRunner:
         i = torch.arange(q_max)
         j = torch.arange(l_max)
         query_valid = i[None, :] < q_len_t[:, None]
-        q_pos = (ctx_t - q_len_t)[:, None] + i[None, :]  # absolute position of each query
-        mask = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < ctx_t[:, None, None])
-        mask &= query_valid[:, :, None]
-        mask[:, :, 0] |= ~query_valid  # padded query rows attend to something (no NaN)
         last_index = torch.tensor(offsets) + torch.tensor(q_lens) - 1
         spans = []
         if q_max > 1:
@@ -227,7 +222,6 @@ class ModelRunner:
             query_index=query_index.to(device),
             query_valid=query_valid.to(device),
             context_blocks=context_blocks.to(device),
-            attn_mask=mask[:, None].to(device),
             last_index=last_index.to(device),
             key_valid=(j[None, :] < ctx_t[:, None]).to(device),
             context_lens=ctx_t.to(device),
