@@ -174,3 +174,28 @@ def test_chunks_shrink_as_the_context_they_attend_to_grows():
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > 1.5 * sizes[-1]
     for start, n in chunks[:-1]:  # each fills the 0.09 s left beside the decode step
         assert 0.08 < cost.prompt_seconds(n, start) <= 0.09
+
+
+def test_a_short_prompt_behind_a_long_one_starts_at_the_next_step():
+    """While requests wait, the running prompts take at most half of the step's time:
+    a short prompt sent after a long one is computed in the next step (whole budget
+    chunks made it wait for all of the long one), and the long one goes on."""
+    cost = StepCost()
+    cost.observe(1, [], 0.010)
+    cost.observe(0, [(0, 1000)], 1.0)  # 1 ms a prompt token
+    for step_target in (0.1, 0.0):
+        scheduler = _scheduler(step_target, cost)
+        stream = _running(scheduler, [3] * 20, produced=1)
+        long = Request("long", [5 + i % 50 for i in range(6000)], STREAM)
+        short = Request("short", [7] * 40, STREAM)
+        scheduler.add(long)
+        stream.tokens.append(9)
+        scheduler.after_forward(scheduler.schedule()[0])  # the long prompt is running
+        scheduler.add(short)
+        stream.tokens.append(9)
+        work, _ = scheduler.schedule()
+        sizes = {w.request.request_id: len(w.token_ids) for w in work}
+        if step_target:  # 0.09 s of prompts: the long one 45 tokens, the short one whole
+            assert sizes == {stream.request_id: 1, "long": 45, "short": 40}
+        else:  # the budget less the stream's token to the long one: the short one waits
+            assert "short" not in sizes and sizes["long"] == 2047

@@ -14,12 +14,14 @@ running, none, on par with static). When a running request needs a block and non
 free, the most recently admitted request is preempted: its computed blocks go to the
 cache, and it waits at the head of the queue to be prefilled again (mostly cache hits).
 
-While requests are streaming (running with output), a step's prompt chunks get what is
-left of ``step_target`` seconds beside the decode rows, each chunk as many tokens as
-``StepCost`` expects to fit from its context position (at least ``MIN_PROMPT_CHUNK``
-prompt tokens a step): a long prompt is then computed over several short steps instead
-of holding every stream's next token for the whole chunk. With nobody streaming,
-chunks take the whole token budget.
+While requests are streaming (running with output) or waiting, a step's prompt chunks
+get what is left of ``step_target`` seconds beside the decode rows, each chunk as many
+tokens as ``StepCost`` expects to fit from its context position (at least
+``MIN_PROMPT_CHUNK`` prompt tokens a step): a long prompt is then computed over several
+short steps instead of holding every stream's next token for the whole chunk. While
+requests wait, the running prompts take at most half of that time, the rest admitting
+waiting ones: a short prompt arriving behind a long one starts at the next step. With
+nobody streaming or waiting, chunks take the whole token budget.
 
 Invariant: a running request's block table holds ``len(request.tokens)`` tokens after
 ``schedule`` (its pending last token included); the scheduler is the block manager's
@@ -98,6 +100,8 @@ class Scheduler:
         """The step's work, and requests rejected because they cannot fit even alone."""
         budget = self.max_batch_tokens
         prompts = self._prompt_time()  # what chunks longer than one may take
+        # half of it kept for admissions while requests wait (None: no limit)
+        keep = prompts.seconds / 2 if self.waiting and prompts.seconds else 0.0
         work: list[Work] = []
         for request in sorted(self.running, key=lambda r: r.admitted):
             if request.status is not Status.RUNNING or budget <= 0:
@@ -105,7 +109,7 @@ class Scheduler:
             start = request.num_computed
             end = min(len(request.tokens), start + budget)
             if end - start > 1:
-                end = start + prompts.take(start, end - start)
+                end = start + prompts.take(start, end - start, keep)
                 if end == start:
                     continue  # its prompt goes on next step
             if not self._hold_all_tokens(request):
@@ -174,10 +178,13 @@ class Scheduler:
 
     def _prompt_time(self) -> _PromptTime:
         """The step's time for prompt chunks: while requests stream (running, with
-        output), ``step_target`` less their decode step; otherwise no limit."""
-        if self.step_target > 0 and any(len(r.tokens) > len(r.prompt_ids) for r in self.running):
-            left = self.step_target - (self.step_cost.decode_step or 0.0)
-            return _PromptTime(self.step_cost, left)
+        output) or wait behind running ones, ``step_target`` less the decode step;
+        otherwise no limit."""
+        if self.step_target > 0 and self.running:
+            streaming = any(len(r.tokens) > len(r.prompt_ids) for r in self.running)
+            if streaming or self.waiting:
+                decode = (self.step_cost.decode_step or 0.0) if streaming else 0.0
+                return _PromptTime(self.step_cost, self.step_target - decode)
         return _PromptTime(self.step_cost, None)
 
     def fork(self, parent: Request, child: Request) -> None:
@@ -290,11 +297,12 @@ class _PromptTime:
     def spent(self) -> bool:
         return self.seconds is not None and self.seconds <= 0 and self.tokens >= MIN_PROMPT_CHUNK
 
-    def take(self, start: int, want: int) -> int:
-        """Tokens (at most ``want``) of a chunk starting at context position ``start``."""
+    def take(self, start: int, want: int, keep: float = 0.0) -> int:
+        """Tokens (at most ``want``) of a chunk starting at context position ``start``,
+        leaving ``keep`` seconds (but the step's floor) for later chunks."""
         if self.seconds is None:
             return want
-        n = self.cost.tokens_within(self.seconds, start, want)
+        n = self.cost.tokens_within(self.seconds - keep, start, want)
         n = max(n, min(want, MIN_PROMPT_CHUNK - self.tokens))  # the step's floor
         self.seconds -= self.cost.prompt_seconds(n, start)
         if not self.cost.measured:
