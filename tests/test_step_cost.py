@@ -199,3 +199,13 @@ def test_a_short_prompt_behind_a_long_one_starts_at_the_next_step():
             assert sizes == {stream.request_id: 1, "long": 45, "short": 40}
         else:  # the budget less the stream's token to the long one: the short one waits
             assert "short" not in sizes and sizes["long"] == 2047
+
+
+def test_a_batch_invariant_model_keeps_chunks_of_the_whole_budget():
+    """Chunks sized by what else runs would move where a prompt's chunks end, and SDPA's
+    rows change with that in the last bits: a batch-invariant model keeps the budget."""
+    from kvpool.engine.llm import LLM
+
+    llm = LLM(batch_invariant=True, progress=False, kv_cache_memory=16 * 2**20)
+    assert llm.engine._scheduler.step_target == 0
+    assert llm.engine.config.step_target_ms == 500  # (the setting itself unchanged)

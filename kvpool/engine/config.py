@@ -34,8 +34,8 @@ class EngineConfig:
     num_blocks: int | None = None  # the pool in blocks instead of bytes (tests, benchmarks)
     kv_cache_dtype: str = "auto"  # "auto": the model's compute dtype
     max_batch_tokens: int = 2048  # tokens computed in one step; longer prompts are chunked
-    # While requests stream, prompt chunks sized so that a step takes about this long
-    # (estimated from measured steps; at least 32 prompt tokens a step); 0: never capped
+    # While requests stream or wait, prompt chunks sized so that a step takes about this
+    # long (estimated from measured steps; at least 32 prompt tokens a step); 0: never
     step_target_ms: float = 500.0
     max_running: int = 256  # requests in the batch at once
     watermark: float = 0.01  # share of the pool kept free when admitting, for growth
@@ -115,9 +115,10 @@ def add_arguments(p: argparse.ArgumentParser, *, serving: bool = True) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
                    help=f"tokens computed per step (default {d.max_batch_tokens})")  # fmt: skip
     p.add_argument("--step-target-ms", type=float, default=d.step_target_ms, metavar="MS",
-                   help="while requests stream, size prompt chunks so a step takes about "
-                   "this long (measured; at least 32 prompt tokens a step), so a long "
-                   f"prompt does not hold every stream's next token; 0: chunks of "
+                   help="while requests stream or wait, size prompt chunks so a step "
+                   "takes about this long (measured; at least 32 prompt tokens a step), "
+                   "so a long prompt holds neither the streams' next tokens nor the "
+                   "prompts behind it; 0 (and --batch-invariant): chunks of "
                    f"--max-batch-tokens (default {d.step_target_ms:g})")  # fmt: skip
     p.add_argument("--max-running", type=int, default=d.max_running,
                    help=f"requests in the batch at once (default {d.max_running})")  # fmt: skip

@@ -5,7 +5,8 @@ A step that computes a long prompt chunk beside decoding requests holds every on
 their next tokens until it ends: 2048 prompt tokens deep into a long context took 13 s
 of the default model's step on a 2-core CPU, and an 8B-class model's takes minutes.
 The scheduler therefore gives a step's prompt chunks a time budget while requests are
-streaming (``tokens_within``), and leaves chunks at the token budget when nobody waits.
+streaming or waiting (``tokens_within``), and leaves chunks at the token budget when
+nobody waits for anything.
 
 Model: a step's time = the decode rows' time (a moving average over steps without
 prompt tokens: mostly reading the weights, about the same for a few rows or one) + for
