@@ -101,7 +101,7 @@ class Scheduler:
         budget = self.max_batch_tokens
         prompts = self._prompt_time()  # what chunks longer than one may take
         # half of it kept for admissions while requests wait (None: no limit)
-        keep = prompts.seconds / 2 if self.waiting and prompts.seconds else 0.0
+        keep = max(prompts.seconds, 0.0) / 2 if self.waiting and prompts.seconds else 0.0
         work: list[Work] = []
         for request in sorted(self.running, key=lambda r: r.admitted):
             if request.status is not Status.RUNNING or budget <= 0:

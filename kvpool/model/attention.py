@@ -31,8 +31,6 @@ class AttentionBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T] absolute position of each new token
     slot_mapping: torch.Tensor  # [T] KV slot each new token is written to
-    query_index: torch.Tensor  # [B, Qmax] flat index of each sequence's i-th new token
-    query_valid: torch.Tensor  # [B, Qmax] bool
     context_blocks: torch.Tensor  # [B, Nmax] block ids of each sequence's context
     last_index: torch.Tensor  # [B] flat index of each sequence's last new token
     key_valid: torch.Tensor  # [B, Nmax * block_size] bool: context position exists
@@ -187,7 +185,7 @@ def attend_split(
     tokens, blocks, lens = batch.decode  # type: ignore[misc]
     d = model.config.head_dim
     out = torch.empty(q.shape[0], q.shape[1] * d, dtype=q.dtype, device=q.device)
-    chunked = batch.query_index[batch.query_valid]
+    chunked = torch.cat([torch.arange(f, f + n, device=q.device) for f, n, _ in batch.spans])
     out[chunked] = attend(model, q, kv.layers[layer], batch, None, head_blocks)
     native = model.native_decode
     out[tokens] = model._heavy(

@@ -132,8 +132,6 @@ class ModelRunner:
             input_ids=torch.tensor([c.token_ids[0] for c in chunks], device=device),
             positions=torch.tensor(positions, device=device),
             slot_mapping=torch.tensor(slots, device=device),
-            query_index=rows[:, None].to(device),
-            query_valid=torch.ones(n, 1, dtype=torch.bool, device=device),
             context_blocks=torch.tensor(padded, device=device),
             last_index=rows.to(device),
             key_valid=key_valid.to(device),
@@ -199,18 +197,13 @@ class ModelRunner:
             groups = [g.to(device) for g in groups]
         n_max = max(len(tables[b]) - k for b, k in zip(rows, skip, strict=True))
         l_max = n_max * bs  # keys are gathered whole blocks at a time
-        query_index = torch.zeros(len(rows), q_max, dtype=torch.long)
         context_blocks = torch.zeros(len(rows), n_max, dtype=torch.long)
         for r, b in enumerate(rows):
             table = tables[b]
             context_blocks[r, : len(table) - skip[r]] = torch.tensor(table[skip[r] :])
-            query_index[r, : q_lens[b]] = torch.arange(offsets[b], offsets[b] + q_lens[b])
-        q_len_t = torch.tensor([q_lens[b] for b in rows])
         # context in context_blocks
         ctx_t = torch.tensor([ctx_lens[b] for b in rows]) - torch.tensor(skip) * bs
-        i = torch.arange(q_max)
         j = torch.arange(l_max)
-        query_valid = i[None, :] < q_len_t[:, None]
         last_index = torch.tensor(offsets) + torch.tensor(q_lens) - 1
         spans = []
         if q_max > 1:
@@ -219,8 +212,6 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            query_index=query_index.to(device),
-            query_valid=query_valid.to(device),
             context_blocks=context_blocks.to(device),
             last_index=last_index.to(device),
             key_valid=(j[None, :] < ctx_t[:, None]).to(device),
