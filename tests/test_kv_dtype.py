@@ -5,6 +5,7 @@ tokens per sequence, causal, straight from the blocks)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -106,7 +107,7 @@ def _reference(q, keys, values, tables, lens, starts, block_size):
         slots = (tables[s][:, None] * block_size + torch.arange(block_size)).reshape(-1)[:n_ctx]
         k = keys[:, slots].repeat_interleave(nh // nkv, 0)
         v = values[:, slots].repeat_interleave(nh // nkv, 0)
-        queries = q[first:last].float().transpose(0, 1)  # [nh, n, d]
+        queries = q[first:last].to(keys.dtype).transpose(0, 1)  # [nh, n, d]
         positions = torch.arange(n_ctx - (last - first), n_ctx)
         seen = torch.arange(n_ctx)[None, :] <= positions[:, None]
         scores = (queries @ k.transpose(1, 2) * d**-0.5).masked_fill(~seen, float("-inf"))
@@ -143,6 +144,66 @@ def test_paged_attention_is_causal_attention_over_each_sequences_blocks(
     assert got.dtype == q_dtype and got.shape == (q.shape[0], nh * head_dim)
     tolerance = 2e-5 if q_dtype == torch.float32 else 2e-2  # bf16: the output's rounding
     assert (got.float() - want).abs().max().item() < tolerance
+
+
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=needs_variant(v)) for v in VARIANTS])
+@pytest.mark.parametrize("store_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("head_dim", "block_size"), [(64, 16), (128, 4), (80, 32)])
+def test_a_tokens_attention_does_not_depend_on_the_chunk_it_is_computed_in(
+    variant, store_dtype, q_dtype, head_dim, block_size
+):
+    """One prompt's attention computed whole, and in chunks that start and end anywhere
+    (a prefix-cache hit at a block boundary, chunks cut by the step target, a one-token
+    chunk), beside another sequence or alone: the same bits for every token."""
+    gen = torch.Generator().manual_seed(7)
+    nkv, nh, n = 2, 6, 150
+    blocks = 2 * -(-n // block_size)
+    perm = torch.randperm(blocks, generator=gen)
+    table, other = perm[: blocks // 2][None], perm[blocks // 2 :][None]
+    store = _store(nkv, blocks * block_size, head_dim, store_dtype)
+    k, v = torch.randn(2, blocks * block_size, nkv, head_dim, generator=gen).to(q_dtype)
+    _write(store, k, v, torch.arange(blocks * block_size))
+    q = torch.randn(n, nh, head_dim, generator=gen).to(q_dtype)
+    scale = head_dim**-0.5
+
+    def attend(first, last, beside=0):  # tokens [first, last) as one chunk
+        tables, lens = table, torch.tensor([last])
+        starts = torch.tensor([0, last - first])
+        qs = q[first:last]
+        if beside:  # another sequence's chunk of `beside` tokens first in the call
+            tables, lens = torch.cat([other, table]), torch.tensor([beside, last])
+            starts = torch.tensor([0, beside, beside + last - first])
+            qs = torch.cat([q[:beside], qs])
+        out = ops.paged_attention(qs.contiguous(), store, tables, lens, starts, block_size,
+                                  scale, variant)  # fmt: skip
+        return out[beside:]
+
+    whole = attend(0, n)
+    for cuts, beside in [([0, 1, 17, 32, 33, 100, 150], 0), ([0, 64, 149, 150], 40)]:
+        parts = [attend(a, b, beside) for a, b in itertools.pairwise(cuts)]
+        assert torch.equal(torch.cat(parts), whole)
+
+
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=needs_variant(v)) for v in VARIANTS])
+def test_bf16_prompt_attention_is_the_rounded_exact_one(variant):
+    """bf16 queries and keys, float32 inside: the outputs are the exact attention's
+    (float64) rounded to bf16, but for a few elements a rounding apart (SDPA's bf16 path
+    differs from it in about a tenth)."""
+    gen = torch.Generator().manual_seed(3)
+    nkv, nh, d, n, bs = 3, 9, 64, 130, 16
+    blocks = -(-n // bs)
+    store = _store(nkv, blocks * bs, d, torch.bfloat16)
+    k, v = (3 * torch.randn(2, blocks * bs, nkv, d, generator=gen)).to(torch.bfloat16)
+    _write(store, k, v, torch.arange(blocks * bs))
+    q = (3 * torch.randn(n, nh, d, generator=gen)).to(torch.bfloat16)
+    tables, lens, starts = torch.arange(blocks)[None], torch.tensor([n]), torch.tensor([0, n])
+    got = ops.paged_attention(q, store, tables, lens, starts, bs, d**-0.5, variant)
+    kv = store.double()
+    want = _reference(q.double(), kv[:nkv], kv[nkv:], tables, lens, starts, bs)
+    rounded = want.to(torch.bfloat16)
+    assert (got != rounded).float().mean().item() < 0.002
+    assert (got.double() - want).abs().max().item() <= (rounded.double() - want).abs().max() * 2
 
 
 def test_paged_attention_refuses_tables_and_lengths_that_would_read_outside():

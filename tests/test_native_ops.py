@@ -310,13 +310,14 @@ def bf16_model(default_model_file):
     return LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, exact)
 
 
-def _prefill_and_decode(model, fused):
+def _prefill_and_decode(model, fused, native_chunks=True):
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 49000) for _ in range(n)] for n in (3, 40, 130)]
     model.native_fused = fused
     try:
         manager = KVCacheManager(64, 16)
         runner = PagedRunner(model, manager, threads=None)
+        runner.runner.native_chunks &= native_chunks
         for seq, prompt in enumerate(prompts):
             manager.allocate(seq, prompt)
         prefill = runner.forward([Chunk(s, p, 0) for s, p in enumerate(prompts)])
@@ -340,9 +341,14 @@ def test_fp32_steps_equal_the_unfused_steps(fp32_model):
 def test_bf16_steps_are_as_close_to_fp32_as_the_unfused_ones(fp32_model, bf16_model):
     """In bf16 the norms are fused too; their sums of squares round differently, so the
     logits move by a few bf16 ulps: they must stay as close to the float32 model's as
-    the torch path's are (measured: mean error 0.43 vs 0.45, 0.20 vs 0.21)."""
+    the torch path's are (measured: mean error 0.43 vs 0.45, 0.20 vs 0.21). The prompt
+    attends through SDPA in both: a step's error against float32 moves by tens of
+    percent either way with any change of roundings (the native prompt attention, whose
+    outputs are the correctly rounded ones in more elements than SDPA's, has its own
+    test), which would drown the norms'."""
     reference = _prefill_and_decode(fp32_model, None)
-    fused, unfused = _prefill_and_decode(bf16_model, ops), _prefill_and_decode(bf16_model, None)
+    fused = _prefill_and_decode(bf16_model, ops, native_chunks=False)
+    unfused = _prefill_and_decode(bf16_model, None)
     for got, torch_path, want in zip(fused, unfused, reference, strict=True):
         fused_error = (got.float() - want).abs().mean().item()
         torch_error = (torch_path.float() - want).abs().mean().item()

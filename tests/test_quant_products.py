@@ -107,7 +107,9 @@ def test_bad_input_raises():
 def test_int8_products_on_the_default_model_stay_near_the_float_ones(default_model_file):
     """The fast path against the exact one on the default model, whole logits of four
     prompts (measured: mean |difference| 0.14-0.48, the bf16 dense products' was 0.43;
-    the top token agrees at 85-100% of positions)."""
+    the top token agrees at 95-97% of the 65 positions). Where it differs, the exact
+    logits' two best were within 0.1 of each other (a near tie: counted per prompt, one
+    such position of a 5-token prompt read as 80%)."""
     from kvpool.cache import KVCacheManager
     from kvpool.model.gguf_weights import load_gguf_weights
     from kvpool.model.llama import LlamaModel
@@ -119,15 +121,19 @@ def test_int8_products_on_the_default_model_stay_near_the_float_ones(default_mod
     for name, policy in (("float", ProductPolicy(exact=True)), ("int8", ProductPolicy())):
         config, weights = load_gguf_weights(default_model_file, quantized=True)
         models[name] = LlamaModel(config, weights, torch.device("cpu"), torch.float32, policy)
+    agree, positions = 0, 0
     for prompt in _prompts()[:4]:
         logits = {}
         for name, model in models.items():
             runner = PagedRunner(model, KVCacheManager(64, 16), threads=None)
             runner.manager.allocate(0, prompt)
             logits[name] = runner.forward([Chunk(0, prompt, 0)], all_logits=True)
-        diff = (logits["int8"] - logits["float"]).abs()
-        agree = (logits["int8"].argmax(-1) == logits["float"].argmax(-1)).float().mean()
-        assert diff.mean().item() < 0.6 and agree.item() >= 0.9
+        assert (logits["int8"] - logits["float"]).abs().mean().item() < 0.6
+        same = logits["int8"].argmax(-1) == logits["float"].argmax(-1)
+        best_two = logits["float"].topk(2, dim=-1).values
+        assert ((best_two[:, 0] - best_two[:, 1])[~same] < 0.3).all()
+        agree, positions = agree + int(same.sum()), positions + len(prompt)
+    assert agree >= 0.9 * positions
 
 
 PACKABLE = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]

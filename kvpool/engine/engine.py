@@ -132,10 +132,14 @@ class Engine:
             max_running=config.max_running,
             watermark=config.watermark,
             step_cost=self.step_cost,
-            # Off for a batch-invariant model: chunks sized by what else runs would move
-            # where a prompt's chunks end, and SDPA's rows change with that in the last
-            # bits (docs/performance.md, sixteenth session).
-            step_target=0.0 if model.products.fixed else config.step_target_ms / 1000,
+            # Off for a batch-invariant model whose attention is not the native one (no
+            # native ops): chunks sized by what else runs would move where a prompt's
+            # chunks end, and SDPA's rows change with that in the last bits.
+            step_target=(
+                0.0
+                if model.products.fixed and not self._runner.varlen
+                else config.step_target_ms / 1000
+            ),
         )
         self._sampler = Sampler(config.seed)
         self._outputs = OutputProcessor(

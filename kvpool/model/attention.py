@@ -1,10 +1,11 @@
 """Attention over the paged KV store: the ``AttentionBatch`` a step's index tensors are
 held in, and the paths each layer's attention takes (``StepAttention`` picks one per
-step): the native decode op reading each sequence's blocks in place; the torch path,
-which gathers whole context blocks and runs batched products (decode) or SDPA on each
-sequence's chunk over its context (prompt chunks, ``chunk_attention``); a mixed step
-splitting its single decode tokens off to the native op; and decode groups reading a
-shared prefix once.
+step): the native decode op reading each sequence's blocks in place (single tokens); the
+native ``paged_attention`` (prompt chunks, a mixed step's single tokens going to the
+decode op; every token for an int8 store or a batch-invariant model); and, without the
+native ops, the torch path, which gathers whole context blocks and runs batched products
+(decode, decode groups reading a shared prefix once) or SDPA on each sequence's chunk
+over its context (``chunk_attention``).
 
 Every path computes the same attention: each new query over its own sequence's context
 slots, causal within the chunk, nothing across sequences.
@@ -39,16 +40,18 @@ class AttentionBatch:
     # Decode only: groups whose first blocks are shared; a member's ``context_blocks``
     # then holds only the blocks after its group's prefix.
     shared_prefixes: list[SharedPrefix] = field(default_factory=list)
-    # A step mixing single decode tokens with longer chunks (with the native decode
-    # attention): the single tokens' flat indices [D], block tables [D, N] and context
-    # lengths [D]. The fields above then describe only the longer chunks' sequences
-    # (``last_index`` still covers every sequence).
+    # A step mixing single decode tokens with longer chunks (the chunks in ``varlen``):
+    # the single tokens' flat indices [D], block tables [D, N] and context lengths [D],
+    # for the native decode attention. The fields above then describe only the longer
+    # chunks' sequences (``last_index`` still covers every sequence).
     decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    # A store in another dtype than the compute one (int8): every sequence's new tokens
-    # attend through the native ``paged_attention``: query starts [B + 1] (each
-    # sequence's new tokens are consecutive), block tables [B, N] and context lengths
-    # [B]; the fields above are then unused.
-    varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Sequences whose new tokens attend through the native ``paged_attention``: their
+    # query starts [S + 1] (each one's new tokens consecutive), block tables [S, N],
+    # context lengths [S], and the indices of their tokens among the step's (None: every
+    # token, in order). Every sequence (a store in another dtype than the compute one,
+    # int8 above all; a batch-invariant model), the fields above then unused; or the
+    # prompt chunks where the native ops are built, beside ``decode``'s single tokens.
+    varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
     # Steps with chunks longer than one token: each row's (flat index of its first new
     # token, new tokens, context tokens), for ``chunk_attention`` (its new tokens are
     # consecutive and the last of its context); empty for a step of single tokens.
@@ -172,29 +175,6 @@ def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -
     return out[0].transpose(0, 1)
 
 
-def attend_split(
-    model: LlamaModel,
-    q: torch.Tensor,
-    kv: PagedKVStore,
-    layer: int,
-    batch: AttentionBatch,
-    head_blocks: torch.Tensor,
-) -> torch.Tensor:
-    """A mixed step: the single decode tokens through the native decode attention,
-    the longer chunks through ``attend`` (see ``AttentionBatch.decode``)."""
-    tokens, blocks, lens = batch.decode  # type: ignore[misc]
-    d = model.config.head_dim
-    out = torch.empty(q.shape[0], q.shape[1] * d, dtype=q.dtype, device=q.device)
-    chunked = torch.cat([torch.arange(f, f + n, device=q.device) for f, n, _ in batch.spans])
-    out[chunked] = attend(model, q, kv.layers[layer], batch, None, head_blocks)
-    native = model.native_decode
-    out[tokens] = model._heavy(
-        native, q[tokens].contiguous(), kv.layers[layer], blocks, lens, kv.block_size,
-        d**-0.5, model.products.variant,
-    )  # fmt: skip
-    return out
-
-
 def attend_shared(
     model: LlamaModel,
     queries: torch.Tensor,
@@ -256,6 +236,7 @@ class StepAttention:
             context = int(self.varlen[2].sum()) * nkv * d
             self.native_call = model._heavy if context >= PARALLEL_GATHER_MIN else _call
             self.native, self.head_blocks, self.decode_bias = None, None, None
+            self.native_heavy = False
             return
         native = model.native_decode if batch.decode_only and not batch.shared_prefixes else None
         self.native = native
@@ -284,12 +265,24 @@ class StepAttention:
         step's K/V already written) -> ``[T, heads * dim]``."""
         model, batch, kv = self.model, self.batch, self.kv
         if self.varlen is not None:
-            starts, tables, lens = self.varlen
+            starts, tables, lens, index = self.varlen
             d = model.config.head_dim
-            return self.native_call(
-                model.native_fused.paged_attention, q.contiguous(), kv.layers[layer], tables,
-                lens, starts, kv.block_size, d**-0.5, model.products.variant,
+            queries = q[index] if index is not None else q.contiguous()
+            out = self.native_call(
+                model.native_fused.paged_attention, queries, kv.layers[layer], tables, lens,
+                starts, kv.block_size, d**-0.5, model.products.variant,
             )  # fmt: skip
+            if batch.decode is None:
+                return out
+            # the step's single decode tokens through the native decode attention
+            tokens, blocks, lens = batch.decode
+            full = torch.empty(q.shape[0], out.shape[1], dtype=out.dtype, device=out.device)
+            full[index] = out
+            full[tokens] = model._heavy(
+                model.native_decode, q[tokens].contiguous(), kv.layers[layer], blocks, lens,
+                kv.block_size, d**-0.5, model.products.variant,
+            )  # fmt: skip
+            return full
         if self.native is not None:
             d = model.config.head_dim
             return self.native_call(
@@ -297,6 +290,4 @@ class StepAttention:
                 batch.context_lens, kv.block_size, d**-0.5, model.products.variant,
             )  # fmt: skip
         assert self.head_blocks is not None
-        if batch.decode is not None:
-            return attend_split(model, q, kv, layer, batch, self.head_blocks)
         return attend(model, q, kv.layers[layer], batch, self.decode_bias, self.head_blocks)

@@ -53,14 +53,24 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         kv_dtype = kv_dtype or model.dtype
+        native = model.native_fused is not None and model.device.type == "cpu"
         # A store in another dtype than the compute one (int8 above all) is read and
         # written only by the native ops, which convert rows in registers.
-        self.varlen = kv_dtype != model.dtype
-        if self.varlen and (model.native_fused is None or model.device.type != "cpu"):
+        if kv_dtype != model.dtype and not native:
             raise ValueError(
                 f"a {kv_dtype} KV cache under {model.dtype} compute needs the native CPU ops "
                 "(kvpool.model.native); use kv_cache_dtype='auto' here"
             )
+        # Every token through the native ``paged_attention`` (one kernel for prompt and
+        # decode tokens: a token's attention is then the same whatever step computes it,
+        # which a batch-invariant model promises), or only prompt chunks (``_varlen``).
+        self.varlen = kv_dtype != model.dtype or (native and model.products.fixed)
+        # Prompt chunks attend through ``paged_attention`` wherever it is built: its rows
+        # do not depend on where a chunk starts or ends (SDPA's do, in the last bits), it
+        # reads the blocks in place and skips what a causal row does not see. (Off, the
+        # torch path's SDPA takes them, and the decode tokens of their steps: tests
+        # compare the two.)
+        self.native_chunks = native
         self.kv = PagedKVStore(model.config, num_blocks, block_size, kv_dtype, model.device)
         if threads == "auto":
             # the count at import, not the current one: a runner may have left it at one
@@ -83,12 +93,10 @@ class ModelRunner:
         self.kv.copy_blocks(copies)
 
     def build_batch(self, chunks: list[SeqChunk]) -> AttentionBatch:
-        """The step's index tensors. In a step that mixes single decode tokens with
-        longer chunks, and where the native decode attention is built, the single tokens
-        attend through it (``decode_tokens``, ...) and only the longer chunks through the
-        padded attention: each sequence's attention then takes the same path whatever
-        it is batched with (a decode row padded to a prefill chunk's length computed
-        other roundings, and wasted the padding)."""
+        """The step's index tensors. Where the native ops are built, a step's longer
+        chunks attend through ``paged_attention`` and its single decode tokens through
+        the native decode attention, each in one call a layer: each token's attention
+        then takes the same path whatever it is batched with."""
         q_lens, ctx_lens, tables = self._step_lists(chunks)
         if self._native_decode_step(q_lens):
             return self._decode_batch(chunks, tables, ctx_lens)
@@ -160,20 +168,19 @@ class ModelRunner:
             positions.extend(range(chunk.start, ctx))
             slots.extend(table[p // bs] * bs + p % bs for p in range(chunk.start, ctx))
         singles = [b for b, n in enumerate(q_lens) if n == 1]
+        native_chunks = self.native_chunks and len(singles) < len(chunks)
+        # the single decode tokens apart, through the native decode attention
+        split = not self.varlen and native_chunks and len(singles) > 0
         varlen = None
-        if self.varlen:  # every token through the native paged_attention, one call a layer
-            width = max(len(t) for t in tables)
-            table_t = torch.zeros(len(chunks), width, dtype=torch.long)
-            for b, table in enumerate(tables):
-                table_t[b, : len(table)] = torch.tensor(table)
-            starts = torch.tensor([*offsets, len(input_ids)], dtype=torch.long)
-            lens_t = torch.tensor(ctx_lens, dtype=torch.long)
-            varlen = (starts.to(device), table_t.to(device), lens_t.to(device))
-        split = (
-            not self.varlen
-            and self.model.native_decode is not None
-            and 0 < len(singles) < len(chunks)
-        )
+        if self.varlen or native_chunks:
+            # through the native paged_attention, one call a layer: every sequence, or
+            # the chunks only, their tokens picked out of the step's
+            native = [b for b, n in enumerate(q_lens) if n > 1] if split else range(len(chunks))
+            varlen = self._varlen(
+                [tables[b] for b in native], [q_lens[b] for b in native],
+                [ctx_lens[b] for b in native],
+                [offsets[b] for b in native] if split else None,
+            )  # fmt: skip
         rows = [b for b, n in enumerate(q_lens) if n > 1] if split else list(range(len(chunks)))
         decode = None
         if split:
@@ -189,7 +196,7 @@ class ModelRunner:
         q_max = max(q_lens[b] for b in rows)
         groups: list[SharedPrefix] = []
         skip = [0] * len(rows)  # leading blocks each sequence reads through its group
-        if q_max == 1 and len(rows) > 1 and self.min_shared_blocks is not None and not varlen:
+        if q_max == 1 and len(rows) > 1 and self.min_shared_blocks is not None and not self.varlen:
             groups = _shared_prefixes(tables, ctx_lens, bs, self.min_shared_blocks)
             for group in groups:
                 for row in group.rows.tolist():
@@ -222,6 +229,32 @@ class ModelRunner:
             varlen=varlen,
             spans=spans,
         )
+
+    def _varlen(
+        self,
+        tables: list[list[int]],
+        q_lens: list[int],
+        ctx_lens: list[int],
+        offsets: list[int] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``AttentionBatch.varlen`` for these sequences: their query starts, block
+        tables and context lengths, and (``offsets``: where each one's new tokens start
+        among the step's) the indices of their tokens in the step, None when they are
+        all of them, in order."""
+        device = self.model.device
+        width = max(len(t) for t in tables)
+        table_t = torch.zeros(len(tables), width, dtype=torch.long)
+        for b, table in enumerate(tables):
+            table_t[b, : len(table)] = torch.tensor(table)
+        starts = torch.tensor([0, *q_lens], dtype=torch.long).cumsum(0)
+        lens_t = torch.tensor(ctx_lens, dtype=torch.long)
+        index = None
+        if offsets is not None:
+            index = torch.cat(
+                [torch.arange(o, o + n) for o, n in zip(offsets, q_lens, strict=True)]
+            )
+            index = index.to(device)
+        return starts.to(device), table_t.to(device), lens_t.to(device), index
 
     def forward(
         self, chunks: list[SeqChunk], *, all_logits: bool = False, return_hidden: bool = False

@@ -48,10 +48,18 @@ struct AttentionKernels {
   void (*run_varlen)(const VarlenArgs* args, int64_t begin, int64_t end, float* scratch);
 };
 
+// Keys run_varlen's vector kernels take at a time: whole blocks, 64 keys where the
+// block size divides 64.
+static inline int64_t varlen_span(int64_t block_size) {
+  return block_size >= 64 ? block_size : 64 / block_size * block_size;
+}
+
 // Floats of scratch one thread of run_varlen needs.
 static inline int64_t varlen_scratch(const VarlenArgs& a) {
   const int64_t rows = a.tile * (a.num_heads / a.kv_heads);
-  return rows * (2 * a.dim + a.block_size + 2) + 2 * a.block_size * a.dim;
+  const int64_t span = varlen_span(a.block_size) > a.block_size ? varlen_span(a.block_size) : a.block_size;
+  const int64_t width = (span + 15) / 16 * 16;  // in whole vectors
+  return rows * (2 * a.dim + width + 3) + 2 * width * a.dim;
 }
 
 }  // namespace kvp

@@ -18,6 +18,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -121,14 +123,22 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& layer_kv,
   const int64_t* st = starts.data_ptr<int64_t>();
   TORCH_CHECK(st[0] == 0 && st[seqs] == q.size(0), "query starts from 0 to the tokens of q");
   const int64_t tile = 16;  // new tokens of one sequence per item
-  std::vector<int64_t> tiles;
+  // (keys the tile reads, sequence, first new token): its cost grows with the keys
+  std::vector<std::array<int64_t, 3>> order;
   for (int64_t s = 0; s < seqs; ++s) {
     const int64_t nq = st[s + 1] - st[s];
     TORCH_CHECK(nq >= 1 && nq <= l[s], "each sequence brings 1 .. context new tokens");
-    for (int64_t j = 0; j < nq; j += tile) {
-      tiles.push_back(s);
-      tiles.push_back(j);
-    }
+    for (int64_t j = 0; j < nq; j += tile) order.push_back({l[s] - nq + std::min(j + tile, nq), s, j});
+  }
+  // The costliest tiles first, and each thread takes the next item when it is done: the
+  // threads end together (a causal prompt's last tiles read many times its first ones'
+  // keys, and equal shares of the items in order left one thread with most of the work).
+  std::stable_sort(order.begin(), order.end(),
+                   [](const auto& x, const auto& y) { return x[0] > y[0]; });
+  std::vector<int64_t> tiles;
+  for (const auto& o : order) {
+    tiles.push_back(o[1]);
+    tiles.push_back(o[2]);
   }
   auto out = at::empty({q.size(0), q.size(1) * dim}, q.options());
   const auto* kernels = kvp::variant(variant).attention;
@@ -138,9 +148,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& layer_kv,
                        static_cast<float>(scale), q.scalar_type() == at::kBFloat16, kv_type};
   const int64_t items = static_cast<int64_t>(tiles.size() / 2) * args.kv_heads;
   const int64_t scratch = kvp::varlen_scratch(args);
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> buffer(scratch);
-    kernels->run_varlen(&args, begin, end, buffer.data());
+    for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items;)
+      kernels->run_varlen(&args, item, item + 1, buffer.data());
   });
   return out;
 }
