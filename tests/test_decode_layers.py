@@ -53,10 +53,12 @@ def _set_mode(model, mode: Mode, threads: int = 2) -> None:
     model.heavy_threads = threads if mode is Mode.SPLIT else 0
 
 
-def _decode(model, native_layers: bool, mode: Mode, steps: int = 3):
+def _decode(model, native_layers: bool, mode: Mode, steps: int = 3, store: str = "auto"):
     """Logits of a prefill and ``steps`` decode steps of four sequences of different
     lengths (one past a block boundary, one long enough for the attention to count as
-    large), and the KV store after them."""
+    large), and the KV store after them. ``store``: ``auto`` (the native decode
+    attention), ``int8`` or ``varlen`` (every token through ``paged_attention``, as for
+    a batch-invariant model)."""
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 49000) for _ in range(n)] for n in (5, 16, 47, 300)]
     layers = model._native_layers()
@@ -65,7 +67,9 @@ def _decode(model, native_layers: bool, mode: Mode, steps: int = 3):
     model._decode_layers = counted if native_layers else False
     threads = torch.get_num_threads()
     try:
-        runner = PagedRunner(model, KVCacheManager(96, 16), threads=None)
+        kv_dtype = torch.int8 if store == "int8" else None
+        runner = PagedRunner(model, KVCacheManager(96, 16), threads=None, kv_dtype=kv_dtype)
+        runner.runner.varlen |= store == "varlen"
         for seq, prompt in enumerate(prompts):
             runner.manager.allocate(seq, prompt)
         _set_mode(model, mode)
@@ -86,10 +90,11 @@ def _decode(model, native_layers: bool, mode: Mode, steps: int = 3):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("store", ["auto", "int8", "varlen"])
 @pytest.mark.parametrize("mode", list(Mode))
-def test_native_layers_equal_the_python_loop(int8_model, mode):
-    got, got_kv = _decode(int8_model, True, mode)
-    want, want_kv = _decode(int8_model, False, mode)
+def test_native_layers_equal_the_python_loop(int8_model, mode, store):
+    got, got_kv = _decode(int8_model, True, mode, store=store)
+    want, want_kv = _decode(int8_model, False, mode, store=store)
     assert torch.equal(got, want)
     for a, b in zip(got_kv, want_kv, strict=True):
         assert torch.equal(a, b)

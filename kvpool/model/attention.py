@@ -231,12 +231,16 @@ class StepAttention:
         device = batch.input_ids.device
         self.varlen = batch.varlen
         self.native_call: Any = _call
+        # a decode step whose every token goes through paged_attention (DecodeLayers can
+        # run its layers)
+        self.varlen_decode = False
         if self.varlen is not None:  # one native op a layer, on all threads when large
             assert model.native_fused is not None
             context = int(self.varlen[2].sum()) * nkv * d
-            self.native_call = model._heavy if context >= PARALLEL_GATHER_MIN else _call
+            self.native_heavy = context >= PARALLEL_GATHER_MIN
+            self.native_call = model._heavy if self.native_heavy else _call
             self.native, self.head_blocks, self.decode_bias = None, None, None
-            self.native_heavy = False
+            self.varlen_decode = batch.decode_only and self.varlen[3] is None
             return
         native = model.native_decode if batch.decode_only and not batch.shared_prefixes else None
         self.native = native

@@ -234,12 +234,18 @@ class LlamaModel:
         attention = StepAttention(self, batch, kv)
         if self.native_fused is not None:
             cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
-        layers = self._native_layers() if attention.native is not None else None
+        # a decode step whose attention is one native op a layer
+        single = attention.native is not None or attention.varlen_decode
+        layers = self._native_layers() if single else None
         if layers is not None:  # every layer in one call: ``_layers``, op for op
+            tables, lens = batch.context_blocks, batch.context_lens
+            starts = None
+            if attention.varlen_decode:  # paged_attention's (every token through it)
+                starts, tables, lens, _ = batch.varlen  # type: ignore[misc]
             x = layers.run(
-                x, cos, sin_signed, batch.slot_mapping, batch.context_blocks, batch.context_lens,
-                kv.layers, kv.block_size, self.products.mode(x.shape[0]), self.heavy_threads,
-                attention.native_heavy, self.products.variant,
+                x, cos, sin_signed, batch.slot_mapping, tables, lens, kv.layers, kv.block_size,
+                self.products.mode(x.shape[0]), self.heavy_threads, attention.native_heavy,
+                self.products.variant, starts,
             )  # fmt: skip
         else:
             x = self._layers(x, batch, kv, attention, cos, sin_signed)

@@ -68,6 +68,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("x"), py::arg("cos"), py::arg("sin_signed"), py::arg("slots"),
            py::arg("block_tables"), py::arg("context_lens"), py::arg("kv_layers"),
            py::arg("block_size"), py::arg("mode"), py::arg("heavy_threads"),
-           py::arg("heavy_attention"), py::arg("variant") = "", py::call_guard<py::gil_scoped_release>())
+           py::arg("heavy_attention"), py::arg("variant") = "",
+           py::arg("query_start") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &kvp::DecodeLayers::num_layers);
 }

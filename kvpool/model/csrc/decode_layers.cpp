@@ -43,7 +43,8 @@ at::Tensor DecodeLayers::run(at::Tensor x, const at::Tensor& cos, const at::Tens
                              const at::Tensor& context_lens,
                              const std::vector<at::Tensor>& kv_layers, int64_t block_size,
                              int64_t mode, int64_t heavy_threads, bool heavy_attention,
-                             const std::string& variant) const {
+                             const std::string& variant,
+                             const c10::optional<at::Tensor>& query_start) const {
   TORCH_CHECK(!layers_.empty(), "no layers");
   TORCH_CHECK(kv_layers.size() == layers_.size(), "one KV store layer per layer");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
@@ -61,6 +62,9 @@ at::Tensor DecodeLayers::run(at::Tensor x, const at::Tensor& cos, const at::Tens
     const at::Tensor q = rope_write_kv(product(layer.qkv, h), cos, sin_signed, layer_kv, slots,
                                        num_heads_, row_kernels);
     const at::Tensor out = on_threads(heavy_attention ? heavy_threads : 0, [&] {
+      if (query_start.has_value())
+        return paged_attention(q, layer_kv, block_tables, context_lens, *query_start, block_size,
+                               scale_, variant);
       return paged_decode_attention(q, layer_kv, block_tables, context_lens, block_size, scale_,
                                     variant);
     });

@@ -37,11 +37,14 @@ class DecodeLayers {
   // heavy_threads > 0: products (and the attention with heavy_attention) on that many
   // threads and the rest on one, as LlamaModel._heavy runs them. variant: the products'
   // and the attention's kernels ("": the fastest); the row ops take the fastest.
+  // query_start ([B + 1], 0 .. B): the attention is paged_attention's (a store in
+  // another dtype, a batch-invariant model), else paged_decode_attention's.
   at::Tensor run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin_signed,
                  const at::Tensor& slots, const at::Tensor& block_tables,
                  const at::Tensor& context_lens, const std::vector<at::Tensor>& kv_layers,
                  int64_t block_size, int64_t mode, int64_t heavy_threads,
-                 bool heavy_attention, const std::string& variant) const;
+                 bool heavy_attention, const std::string& variant,
+                 const c10::optional<at::Tensor>& query_start) const;
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
