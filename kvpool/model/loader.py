@@ -170,8 +170,10 @@ def load_model(
 
     ``batch_invariant``: int8 products at every step size, in any dtype (float32
     included), so that no output depends on what else is in the batch (each row's
-    products are computed alone, in a fixed order). It costs the tiles' speed on large
-    steps where a CPU has it, and float32's exact products."""
+    products are computed alone, in a fixed order); the runner then sends every token
+    through the native ``paged_attention``, whose rows do not depend on chunking either.
+    It costs the tiles' speed on large steps where a CPU has it, and float32's exact
+    products."""
     path = resolve_model_path(name)
     dev = choose_device(device)
     torch_dtype = choose_dtype(dtype, dev)

@@ -46,8 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     engine_config.add_dtype_argument(p)
     engine_config.add_arguments(p)
     p.add_argument("--batch-invariant", action="store_true",
-                   help="int8 products at every step size, in any dtype: no output depends "
-                        "on what else is batched")  # fmt: skip
+                   help="int8 products at every step size, in any dtype, and one attention "
+                        "kernel for every token: no output depends on what else is batched, "
+                        "how a prompt is chunked or what the prefix cache held")  # fmt: skip
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require this key (repeatable; these keys are admins)")  # fmt: skip
     p.add_argument("--keys-file", type=Path, default=None,
