@@ -111,6 +111,28 @@ def test_with_nobody_streaming_chunks_take_the_whole_budget():
     assert [(w.request, len(w.token_ids)) for w in work] == [(first, 100), (long, 1948)]
 
 
+def _fixed_costs(engine) -> None:
+    """A measured machine where 0.2 s holds 64 prompt tokens beside a decode step, kept
+    fixed (no timing in these tests)."""
+    engine.step_cost.observe(1, [], 0.008)
+    engine.step_cost.observe(0, [(0, 1000)], 3.0)
+    engine.step_cost.observe = lambda *args: None
+
+
+def _recorded_chunks(engine, request_id: str) -> list[int]:
+    """The sizes of the chunks the engine's scheduler gives ``request_id`` from now on
+    (the list fills as the engine steps)."""
+    schedule, chunks = engine._scheduler.schedule, []
+
+    def recorded():
+        work, rejected = schedule()
+        chunks.extend(len(w.token_ids) for w in work if w.request.request_id == request_id)
+        return work, rejected
+
+    engine._scheduler.schedule = recorded
+    return chunks
+
+
 def test_the_engine_sizes_chunks_while_streaming_and_answers_the_same(fp32_model):
     """A long prompt arriving while another request streams: every step that computes
     part of it beside the stream holds at most the measured cap, and both answers are
@@ -124,22 +146,12 @@ def test_the_engine_sizes_chunks_while_streaming_and_answers_the_same(fp32_model
 
     def run(step_target_ms: float) -> tuple[list[list[int]], list[int]]:
         engine = Engine(fp32_model, num_blocks=128, step_target_ms=step_target_ms)
-        # a measured machine where 0.2 s holds 64 prompt tokens beside a decode step
-        engine.step_cost.observe(1, [], 0.008)
-        engine.step_cost.observe(0, [(0, 1000)], 3.0)
-        engine.step_cost.observe = lambda *args: None  # (kept fixed: no timing here)
+        _fixed_costs(engine)
         engine.add_request(stream_prompt, params, request_id="stream")
         for _ in range(3):
             engine.step()
         engine.add_request(long_prompt, params, request_id="long")
-        schedule, chunks = engine._scheduler.schedule, []
-
-        def recorded():
-            work, rejected = schedule()
-            chunks.extend(len(w.token_ids) for w in work if w.request.request_id == "long")
-            return work, rejected
-
-        engine._scheduler.schedule = recorded
+        chunks = _recorded_chunks(engine, "long")
         tokens: dict[str, list[int]] = {}
         while engine.has_work():
             for out in engine.step():
@@ -220,35 +232,24 @@ def test_a_batch_invariant_model_answers_the_same_whatever_its_chunks():
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
 
     def answers(engine, with_stream):
-        if with_stream:  # measured: 64 prompt tokens fit beside a decode step
-            engine.step_cost.observe(1, [], 0.008)
-            engine.step_cost.observe(0, [(0, 1000)], 3.0)
-            engine.step_cost.observe = lambda *args: None
+        if with_stream:  # 64 prompt tokens fit beside a decode step
+            _fixed_costs(engine)
             engine.add_request(stream_prompt, params, request_id="stream")
             for _ in range(3):
                 engine.step()
         engine.add_request(long_prompt, params, request_id="long")
-        schedule, got = engine._scheduler.schedule, []
-
-        def recorded():
-            work, rejected = schedule()
-            chunks.extend(len(w.token_ids) for w in work if w.request.request_id == "long")
-            return work, rejected
-
-        engine._scheduler.schedule = recorded
+        chunks, got = _recorded_chunks(engine, "long"), []
         while engine.has_work():
             for out in engine.step():
                 if out.request_id == "long":
                     got += [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs]
-        return got
+        return got, chunks
 
-    chunks: list[int] = []
     beside = Engine(model, num_blocks=128, step_target_ms=200.0)
-    chunked = answers(beside, with_stream=True)
+    chunked, chunks = answers(beside, with_stream=True)
     assert max(chunks[: chunks.index(1)]) == 64  # the prompt in chunks of the target
     alone = Engine(model, num_blocks=128, step_target_ms=0.0)
-    whole = answers(alone, with_stream=False)
-    chunks.clear()
-    hit = answers(alone, with_stream=False)  # the prompt's full blocks are cached now
+    whole, _ = answers(alone, with_stream=False)
+    hit, chunks = answers(alone, with_stream=False)  # its full blocks are cached now
     assert chunks[0] == 300 - 288  # its last 12 tokens computed, from a block boundary
     assert len(whole) == 24 and chunked == whole and hit == whole

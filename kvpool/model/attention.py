@@ -270,28 +270,36 @@ class StepAttention:
         model, batch, kv = self.model, self.batch, self.kv
         if self.varlen is not None:
             starts, tables, lens, index = self.varlen
-            d = model.config.head_dim
             queries = q[index] if index is not None else q.contiguous()
-            out = self.native_call(
-                model.native_fused.paged_attention, queries, kv.layers[layer], tables, lens,
-                starts, kv.block_size, d**-0.5, model.products.variant,
-            )  # fmt: skip
+            op = model.native_fused.paged_attention
+            out = self._native(self.native_call, op, queries, layer, tables, lens, starts)
             if batch.decode is None:
                 return out
             # the step's single decode tokens through the native decode attention
             tokens, blocks, lens = batch.decode
             full = torch.empty(q.shape[0], out.shape[1], dtype=out.dtype, device=out.device)
             full[index] = out
-            full[tokens] = model._heavy(
-                model.native_decode, q[tokens].contiguous(), kv.layers[layer], blocks, lens,
-                kv.block_size, d**-0.5, model.products.variant,
-            )  # fmt: skip
+            singles = q[tokens].contiguous()
+            full[tokens] = self._native(
+                model._heavy, model.native_decode, singles, layer, blocks, lens
+            )
             return full
         if self.native is not None:
-            d = model.config.head_dim
-            return self.native_call(
-                self.native, q.contiguous(), kv.layers[layer], batch.context_blocks,
-                batch.context_lens, kv.block_size, d**-0.5, model.products.variant,
+            return self._native(
+                self.native_call, self.native, q.contiguous(), layer, batch.context_blocks,
+                batch.context_lens,
             )  # fmt: skip
         assert self.head_blocks is not None
         return attend(model, q, kv.layers[layer], batch, self.decode_bias, self.head_blocks)
+
+    def _native(
+        self, call: Any, op: Any, q: torch.Tensor, layer: int, tables: torch.Tensor,
+        lens: torch.Tensor, *starts: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """A native attention op (the decode one, or ``paged_attention`` with its query
+        starts) over layer ``layer``'s store, run through ``call``."""
+        d = self.model.config.head_dim
+        return call(
+            op, q, self.kv.layers[layer], tables, lens, *starts, self.kv.block_size, d**-0.5,
+            self.model.products.variant,
+        )  # fmt: skip

@@ -57,8 +57,8 @@ static inline int64_t varlen_span(int64_t block_size) {
 // Floats of scratch one thread of run_varlen needs.
 static inline int64_t varlen_scratch(const VarlenArgs& a) {
   const int64_t rows = a.tile * (a.num_heads / a.kv_heads);
-  const int64_t span = varlen_span(a.block_size) > a.block_size ? varlen_span(a.block_size) : a.block_size;
-  const int64_t width = (span + 15) / 16 * 16;  // in whole vectors
+  // a span in whole vectors (a span holds at least a block: attend_varlen's too)
+  const int64_t width = (varlen_span(a.block_size) + 15) / 16 * 16;
   return rows * (2 * a.dim + width + 3) + 2 * width * a.dim;
 }
 
