@@ -28,6 +28,12 @@ It needs a C++ compiler; the first build takes about 30 s and is cached (torch's
 extensions directory, one build per sources, flags, CPU and torch install). Where it
 cannot be built, or with ``KVPOOL_NATIVE=0``, the runtime uses its torch path, which
 computes the same (tests compare the two).
+
+``KVPOOL_EMULATE_AVX512=1`` builds another module, for tests: its AVX-512 variants are
+compiled from SIMDe's portable intrinsics (the ``simde-py`` package's headers) and run
+on any x86-64 CPU, many times slower than the real instructions, so the AVX-512 code is
+tested on machines without AVX-512 (``tests/test_emulated_avx512.py``). The runtime
+then counts them runnable and chooses them like any other.
 """
 
 from __future__ import annotations
@@ -51,6 +57,19 @@ _HEADERS = sorted([*_CSRC.glob("*.h"), *_CSRC.glob("*.inc")])
 # emulator). OpenMP from torch's own runtime (libgomp.so.1 is already loaded by torch,
 # so the extension binds to it: one thread pool, the same spin setting).
 _FLAGS = ["-O3", "-fno-math-errno", "-fopenmp"]
+
+
+def emulating_avx512() -> bool:
+    """Whether this process builds and runs the emulated AVX-512 variants (see above)."""
+    return os.environ.get("KVPOOL_EMULATE_AVX512", "0") == "1"
+
+
+def _flags() -> list[str]:
+    if not emulating_avx512():
+        return _FLAGS
+    import simde_py  # the dev extra's headers; only the emulation build needs them
+
+    return [*_FLAGS, "-DKVP_SIMDE=1", f"-I{simde_py.get_include()}"]
 
 
 def _build_directory(name: str) -> Path | None:
@@ -94,16 +113,18 @@ def native_ops() -> ModuleType | None:
         # One build per sources, flags, architecture and torch install (its headers'
         # path is in the build file, and another torch needs its own build); not per
         # CPU: the kernels are chosen at run time.
+        flags = _flags()
         key = b"".join(path.read_bytes() for path in [*_SOURCES, *_HEADERS])
-        key += " ".join(_FLAGS).encode() + platform.machine().encode()
+        key += " ".join(flags).encode() + platform.machine().encode()
         key += f"{torch.__version__} {Path(torch.__file__).parent}".encode()
-        name = "kvpool_native_" + hashlib.sha256(key).hexdigest()[:12]
+        kind = "kvpool_native_emulated_" if emulating_avx512() else "kvpool_native_"
+        name = kind + hashlib.sha256(key).hexdigest()[:12]
         build_dir = _build_directory(name)
         sources = _staged_sources(build_dir)
         if build_dir is None or not (build_dir / f"{name}.so").exists():
             print("kvpool: compiling the native ops (once, ~30 s)...", file=sys.stderr, flush=True)
         return load(
-            name=name, sources=[str(path) for path in sources], extra_cflags=_FLAGS,
+            name=name, sources=[str(path) for path in sources], extra_cflags=flags,
             extra_ldflags=["-fopenmp"], verbose=False,
         )  # fmt: skip
     except Exception as exc:  # no compiler, no headers, an unsupported platform
@@ -130,6 +151,8 @@ def kernel_variant() -> str:
     ops = native_ops()
     if ops is None:
         return ""
+    if emulating_avx512():  # every variant the module lists runs, the CPU's or emulated
+        return ops.kernel_variants()[0]
     cpu = cpu_features()
     for name in ops.kernel_variants():
         if all(getattr(cpu, need) for need in VARIANT_NEEDS.get(name, ("unknown",))):

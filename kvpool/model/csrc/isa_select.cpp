@@ -10,6 +10,10 @@ namespace kvp {
 namespace {
 
 bool has(const char* feature) {
+#if defined(KVP_SIMDE) && defined(__x86_64__)
+  // the emulation build: its AVX-512 variants are SIMDe's, on AVX2 (isa_variant.inc)
+  if (std::string(feature).rfind("avx512", 0) == 0) return has("avx2");
+#endif
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   __builtin_cpu_init();
   const std::string f = feature;
