@@ -10,7 +10,7 @@ import pytest
 from kvpool.cache import KVCacheManager
 from kvpool.engine.request import Request
 from kvpool.engine.sampling import SamplingParams
-from kvpool.engine.scheduler import Scheduler
+from kvpool.engine.scheduler import IDLE_STEP_TARGETS, Scheduler
 from kvpool.engine.step_cost import StepCost
 
 STREAM = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -98,17 +98,36 @@ def test_a_long_prompt_beside_a_stream_is_computed_in_steps_of_the_target(step_t
         assert chunks == [2047, 3000 - 2047]  # the budget less the stream's token
 
 
-def test_with_nobody_streaming_chunks_take_the_whole_budget():
+@pytest.mark.parametrize("step_target", [0.1, 0.0])
+def test_with_nobody_streaming_a_step_still_ends_within_a_few_targets(step_target):
+    """Nobody streams or waits: prompt chunks take ``IDLE_STEP_TARGETS`` step targets,
+    the admitting step's too, so a request arriving during any of those steps waits that
+    long at most (whole-budget chunks: 2048 tokens). Target 0: the whole budget."""
     cost = StepCost()
     cost.observe(1, [], 0.010)
-    cost.observe(0, [(0, 1000)], 1.0)
-    scheduler = _scheduler(0.1, cost)
-    first = Request("first", [3] * 100, STREAM)  # a prompt: nobody streams yet
+    cost.observe(0, [(0, 1000)], 1.0)  # 1 ms a prompt token
+    idle = round(IDLE_STEP_TARGETS * step_target * 1000)  # tokens a step then holds
+    scheduler = _scheduler(step_target, cost)
+    first = Request("first", [3] * 100, STREAM)  # two prompts at once, nothing running
     long = Request("long", [5 + i % 50 for i in range(3000)], STREAM)
     scheduler.add(first)
     scheduler.add(long)
     work, _ = scheduler.schedule()
-    assert [(w.request, len(w.token_ids)) for w in work] == [(first, 100), (long, 1948)]
+    sizes = [(w.request, len(w.token_ids)) for w in work]
+    assert sizes == (
+        [(first, 100), (long, idle - 100)] if step_target else [(first, 100), (long, 1948)]
+    )
+    scheduler.after_forward(work)
+    scheduler.finish(first, "stop")
+    chunks = []  # the long prompt alone
+    while long.num_computed < len(long.tokens):
+        work, _ = scheduler.schedule()
+        chunks += [len(w.token_ids) for w in work]
+        scheduler.after_forward(work)
+    if step_target:
+        assert set(chunks[:-1]) == {idle} and 0 < chunks[-1] <= idle
+    else:
+        assert chunks == [3000 - 1948]
 
 
 def _fixed_costs(engine) -> None:

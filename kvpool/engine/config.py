@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvpool.cache import Policy
+from kvpool.engine.scheduler import IDLE_STEP_TARGETS
 
 MiB = 2**20
 
@@ -35,7 +36,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto": the model's compute dtype
     max_batch_tokens: int = 2048  # tokens computed in one step; longer prompts are chunked
     # While requests stream or wait, prompt chunks sized so that a step takes about this
-    # long (estimated from measured steps; at least 32 prompt tokens a step); 0: never
+    # long (estimated from measured steps; at least 32 prompt tokens a step), otherwise
+    # scheduler.IDLE_STEP_TARGETS times this long; 0: chunks of max_batch_tokens
     step_target_ms: float = 500.0
     max_running: int = 256  # requests in the batch at once
     watermark: float = 0.01  # share of the pool kept free when admitting, for growth
@@ -118,7 +120,8 @@ def add_arguments(p: argparse.ArgumentParser, *, serving: bool = True) -> None:
                    help="while requests stream or wait, size prompt chunks so a step "
                    "takes about this long (measured; at least 32 prompt tokens a step), "
                    "so a long prompt holds neither the streams' next tokens nor the "
-                   "prompts behind it; 0 (and --batch-invariant): chunks of "
+                   f"prompts behind it; otherwise {IDLE_STEP_TARGETS}x as long, so a "
+                   "request arriving meanwhile is not held long; 0: chunks of "
                    f"--max-batch-tokens (default {d.step_target_ms:g})")  # fmt: skip
     p.add_argument("--max-running", type=int, default=d.max_running,
                    help=f"requests in the batch at once (default {d.max_running})")  # fmt: skip
