@@ -272,3 +272,24 @@ def test_a_batch_invariant_model_answers_the_same_whatever_its_chunks():
     hit, chunks = answers(alone, with_stream=False)  # its full blocks are cached now
     assert chunks[0] == 300 - 288  # its last 12 tokens computed, from a block boundary
     assert len(whole) == 24 and chunked == whole and hit == whole
+
+
+def test_where_prompt_tokens_are_slow_a_short_prompt_is_not_held_behind_a_long_one():
+    """20 ms a prompt token: the step's 32-token floor alone outlasts the half of the
+    step a running prompt leaves to waiting requests. The floor goes to the admitted
+    short prompt, not the long one (it took the whole time and the short one waited
+    for all of the long prompt), and once both run, the short one's prompt goes first."""
+    cost = StepCost()
+    cost.observe(1, [], 0.010)
+    cost.observe(0, [(0, 1000)], 20.0)
+    scheduler = _scheduler(0.5, cost)
+    long = Request("long", [5 + i % 50 for i in range(3000)], STREAM)
+    scheduler.add(long)
+    scheduler.after_forward(scheduler.schedule()[0])  # 2 s of it: 100 tokens
+    short = Request("short", [7] * 40, STREAM)
+    scheduler.add(short)
+    work, _ = scheduler.schedule()  # 0.25 s to the long one, the rest and floor to short
+    assert [(w.request, len(w.token_ids)) for w in work] == [(long, 12), (short, 20)]
+    scheduler.after_forward(work)
+    work, _ = scheduler.schedule()  # both running, nobody streaming or waiting: 2 s
+    assert [(w.request, len(w.token_ids)) for w in work] == [(short, 20), (long, 80)]

@@ -1,8 +1,9 @@
 """Continuous batching over the block pool: what runs in each step.
 
-Every step takes, in admission order, one token from each decoding request and a chunk
-of prompt from each prefilling one, then admits waiting requests under a per-step token
-budget: first come first served within a tenant, the tenants in turn (``FairQueue``).
+Every step takes one token from each decoding request (in admission order) and a chunk
+of prompt from each prefilling one (the fewest tokens left first), then admits waiting
+requests under a per-step token budget: first come first served within a tenant, the
+tenants in turn (``FairQueue``).
 Blocks are taken by real need: a request is admitted when the pool holds its uncached
 prompt plus the growth that it and the running requests are expected to need (each
 request's output is expected to reach its max tokens when nothing can stop it early,
@@ -19,8 +20,9 @@ get what is left of ``step_target`` seconds beside the decode rows, each chunk a
 tokens as ``StepCost`` expects to fit from its context position (at least
 ``MIN_PROMPT_CHUNK`` prompt tokens a step): a long prompt is then computed over several
 short steps instead of holding every stream's next token for the whole chunk. While
-requests wait, the running prompts take at most half of that time, the rest admitting
-waiting ones: a short prompt arriving behind a long one starts at the next step. With
+requests wait, the running prompts take at most half of that time (and the step's floor
+goes to the admitted ones), the rest admitting waiting ones: a short prompt arriving
+behind a long one starts at the next step. With
 nobody streaming or waiting, chunks take ``IDLE_STEP_TARGETS`` step targets (within the
 token budget), so that a request arriving meanwhile is not held long.
 
@@ -110,14 +112,20 @@ class Scheduler:
         # half of it kept for admissions while requests wait (None: no limit)
         keep = max(prompts.seconds, 0.0) / 2 if self.waiting and prompts.seconds else 0.0
         work: list[Work] = []
-        for request in sorted(self.running, key=lambda r: r.admitted):
+        deferred: list[Request] = []  # prompts given no time: the step's floor may take them
+        # decode rows first, in admission order, then prompts, the least left first: a
+        # short prompt admitted behind a long one is not held for all of the long one
+        for request in sorted(self.running, key=_running_order):
             if request.status is not Status.RUNNING or budget <= 0:
                 continue
             start = request.num_computed
             end = min(len(request.tokens), start + budget)
             if end - start > 1:
-                end = start + prompts.take(start, end - start, keep)
+                # while requests wait the step's floor waits for the admissions: it would
+                # take their half of the time where 32 prompt tokens are slow
+                end = start + prompts.take(start, end - start, keep, floor=not keep)
                 if end == start:
+                    deferred.append(request)
                     continue  # its prompt goes on next step
             if not self._hold_all_tokens(request):
                 continue  # preempted to make room (itself being the latest)
@@ -125,6 +133,25 @@ class Scheduler:
             work.append(Work(request, start, chunk))
             budget -= len(chunk)
         rejected: list[Request] = []
+        budget = self._admit(work, budget, prompts, rejected)
+        for request in deferred:  # nothing admitted took the floor: a running prompt does
+            if budget <= 0 or prompts.tokens >= MIN_PROMPT_CHUNK:
+                break
+            if request.status is not Status.RUNNING:
+                continue
+            start = request.num_computed
+            end = start + prompts.take(start, min(len(request.tokens), start + budget) - start)
+            if end == start or not self._hold_all_tokens(request):
+                continue
+            work.append(Work(request, start, request.tokens[start:end]))
+            budget -= end - start
+        return work, rejected
+
+    def _admit(
+        self, work: list[Work], budget: int, prompts: _PromptTime, rejected: list[Request]
+    ) -> int:
+        """Admits waiting requests into the step (their first chunks into ``work``, the
+        ones that cannot fit even alone into ``rejected``); returns the budget left."""
         growth = sum(self._growth_blocks(r) for r in self.running) if self.waiting else 0
         for request in self.waiting.in_turn(self.max_running):
             if budget <= 0 or prompts.spent or len(self.running) >= self.max_running:
@@ -181,7 +208,7 @@ class Scheduler:
             chunk = request.tokens[start:end]
             work.append(Work(request, start, chunk))
             budget -= len(chunk)
-        return work, rejected
+        return budget
 
     def _prompt_time(self) -> _PromptTime:
         """The step's time for prompt chunks: while requests stream (running, with
@@ -310,18 +337,27 @@ class _PromptTime:
     def spent(self) -> bool:
         return self.seconds is not None and self.seconds <= 0 and self.tokens >= MIN_PROMPT_CHUNK
 
-    def take(self, start: int, want: int, keep: float = 0.0) -> int:
+    def take(self, start: int, want: int, keep: float = 0.0, floor: bool = True) -> int:
         """Tokens (at most ``want``) of a chunk starting at context position ``start``,
-        leaving ``keep`` seconds (but the step's floor) for later chunks."""
+        leaving ``keep`` seconds for later chunks; with ``floor``, at least what the
+        step's floor still asks for."""
         if self.seconds is None:
             return want
         n = self.cost.tokens_within(self.seconds - keep, start, want)
-        n = max(n, min(want, MIN_PROMPT_CHUNK - self.tokens))  # the step's floor
+        if floor:
+            n = max(n, min(want, MIN_PROMPT_CHUNK - self.tokens))  # the step's floor
         self.seconds -= self.cost.prompt_seconds(n, start)
         if not self.cost.measured:
             self.seconds = 0.0  # nothing known: the floor alone
         self.tokens += n
         return n
+
+
+def _running_order(request: Request) -> tuple[int, int, int]:
+    """Decode rows (one token left to compute) in admission order, then prompts, the
+    fewest tokens left first."""
+    left = len(request.tokens) - request.num_computed
+    return (0, 0, request.admitted) if left <= 1 else (1, left, request.admitted)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
