@@ -22,9 +22,9 @@ tokens as ``StepCost`` expects to fit from its context position (at least
 short steps instead of holding every stream's next token for the whole chunk. While
 requests wait, the running prompts take at most half of that time (and the step's floor
 goes to the admitted ones), the rest admitting waiting ones: a short prompt arriving
-behind a long one starts at the next step. With
-nobody streaming or waiting, chunks take ``IDLE_STEP_TARGETS`` step targets (within the
-token budget), so that a request arriving meanwhile is not held long.
+behind a long one starts at the next step. With nobody streaming or waiting, chunks
+take ``IDLE_STEP_TARGETS`` step targets (within the token budget), so that a request
+arriving meanwhile is not held long.
 
 Invariant: a running request's block table holds ``len(request.tokens)`` tokens after
 ``schedule`` (its pending last token included); the scheduler is the block manager's
@@ -42,8 +42,8 @@ from kvpool.engine.step_cost import MIN_PROMPT_CHUNK, StepCost
 
 # With nobody streaming or waiting, a step's prompt chunks stop near this many step
 # targets: a request that arrives during a step waits for it to end, and a whole token
-# budget of prompt (2048 tokens) took ~14 s of a 1B-class model's step on 2 cores and
-# ~100 s of an 8B-class one's.
+# budget of prompt (2048 tokens) took 14-39 s of a 1B-class model's step on 2 cores, and
+# 512 tokens 32-36 s of an 8B-class one's.
 IDLE_STEP_TARGETS = 4
 
 
