@@ -30,10 +30,10 @@ cannot be built, or with ``KVPOOL_NATIVE=0``, the runtime uses its torch path, w
 computes the same (tests compare the two).
 
 ``KVPOOL_EMULATE_AVX512=1`` builds another module, for tests: its AVX-512 variants are
-compiled from SIMDe's portable intrinsics (the ``simde-py`` package's headers) and run
-on any x86-64 CPU, many times slower than the real instructions, so the AVX-512 code is
-tested on machines without AVX-512 (``tests/test_emulated_avx512.py``). The runtime
-then counts them runnable and chooses them like any other.
+compiled from SIMDe's intrinsics (the ``simde-py`` package's headers) under the AVX2
+target and run on any CPU with AVX2, a few times slower than the real instructions, so
+the AVX-512 code is tested on machines without AVX-512 (``tests/test_emulated_avx512.py``).
+The runtime then counts them runnable and chooses them like any other.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@
 
 #pragma once
 
+#include <stdint.h>
+#include <string.h>
+
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 #include <simde/x86/f16c.h>
