@@ -11,6 +11,9 @@ routing policy, and a request through an ASGI app in process.
   over.
 - ASGI: streamed parts arrive in order; closing early tells the app the client left; an
   app that fails before answering gives a 500.
+- The HTTP port: asked for 0, the cluster takes another free port (outside the kernel's
+  ephemeral range) when its first choice was taken before Serve's proxy bound it; a port
+  asked for by number is tried once, a clear error if taken; other errors stay errors.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import pytest
 
 from kvpool.cache import KVCacheManager
 from kvpool.cache.kv_index import prefix_keys
+from kvpool.cluster.app import PortInUse, start_proxy
 from kvpool.cluster.asgi_call import HTTPRequest, ResponseStart, call_app
 from kvpool.cluster.event_log import IndexReplay, KVEventLog, ReplicaLoad
 from kvpool.cluster.routing import PrefixRouting
@@ -240,3 +244,59 @@ def test_a_burst_chosen_before_any_report_spreads_and_reports_do_not_count_twice
     for i in range(8):
         routing.completed(f"r{i}", "ignored")
     assert sum(routing.in_flight.values()) == sum(routing.pending.values()) == 0
+
+
+class _ServeWithBusyPorts:
+    """Ray Serve's ``start``/``shutdown`` where the first ``taken`` binds fail as the
+    proxy's do (a ``RayTaskError`` whose text carries the proxy's ``RuntimeError``)."""
+
+    def __init__(self, taken: int, error: Exception | None = None) -> None:
+        self.taken, self.error = taken, error
+        self.tried: list[int] = []
+        self.shutdowns = 0
+
+    def start(self, http_options: dict) -> None:
+        self.tried.append(http_options["port"])
+        if self.error is not None:
+            raise self.error
+        if len(self.tried) <= self.taken:
+            raise RuntimeError(
+                "ray::ProxyActor.ready() RuntimeError: Failed to bind to address "
+                f"'{http_options['host']}:{http_options['port']}'."
+            )
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+            return low, high
+    except OSError:
+        return 32768, 60999
+
+
+def test_port_zero_takes_another_free_port_when_its_first_choice_was_taken():
+    serve = _ServeWithBusyPorts(taken=2)
+    port = start_proxy(serve, "127.0.0.1", 0)
+    assert serve.tried[-1] == port and len(serve.tried) == 3 and serve.shutdowns == 2
+    low, high = _ephemeral_range()
+    assert all(p >= 20000 and not low <= p <= high for p in serve.tried), serve.tried
+    always_taken = _ServeWithBusyPorts(taken=99)
+    with pytest.raises(PortInUse, match="any port"):
+        start_proxy(always_taken, "127.0.0.1", 0, tries=4)
+    assert len(always_taken.tried) == 4
+
+
+def test_a_port_asked_for_by_number_is_tried_once_and_other_errors_stay_errors():
+    assert start_proxy(_ServeWithBusyPorts(taken=0), "127.0.0.1", 8123) == 8123
+    busy = _ServeWithBusyPorts(taken=1)
+    with pytest.raises(PortInUse, match=r"127\.0\.0\.1:8123"):
+        start_proxy(busy, "127.0.0.1", 8123)
+    assert busy.tried == [8123]
+    broken = _ServeWithBusyPorts(taken=0, error=ValueError("no such host"))
+    with pytest.raises(ValueError):
+        start_proxy(broken, "127.0.0.1", 0)
+    assert broken.shutdowns == 0 and len(broken.tried) == 1

@@ -1,25 +1,19 @@
-"""``LocalServer``: a ``kvpool serve`` child process on 127.0.0.1 and a free port, for the
-HTTP benchmark and the tests. The server prints its URL once it listens; we read that
-line (no sleeping), and stop it with SIGTERM."""
+"""``LocalServer``: a ``kvpool serve`` (or ``kvpool cluster``) child process on 127.0.0.1
+and a free port, for the HTTP benchmarks and the tests. It is given port 0 and chooses
+the port itself when it binds (a port picked here could be taken before then: Ray's own
+processes take ports while the cluster starts). It prints its URL once it listens; we
+read that line (no sleeping), and stop it with SIGTERM."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import httpx
-
-
-def free_port() -> int:
-    """A port free now (for servers that cannot be given port 0: Ray Serve's proxy)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class LocalServer:
@@ -29,10 +23,9 @@ class LocalServer:
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("KVPOOL_HOST", None)
-        port = "0" if command == "serve" else str(free_port())
         argv = [sys.executable, "-m", "kvpool.cli", command, "--host", "127.0.0.1"]
         self.proc = subprocess.Popen(
-            [*argv, "--port", port, "--quiet", *args],
+            [*argv, "--port", "0", "--quiet", *args],
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,

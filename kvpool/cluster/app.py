@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
+import socket
 import sys
 import threading
 from typing import Any
@@ -127,6 +129,52 @@ def application(args: argparse.Namespace, block_size: int, model_path: str) -> A
     )
 
 
+class PortInUse(RuntimeError):
+    """Serve's HTTP proxy could not bind the address asked for."""
+
+
+def unclaimed_port(host: str) -> int:
+    """A port free now on ``host``, chosen outside the kernel's ephemeral range and Ray's
+    worker ports (10002-19999): Ray's own processes and every outgoing connection take
+    ports from those, so a port picked there may be gone by the time the proxy binds it.
+    Falls back to one the kernel hands out where no such port is free."""
+    low, high = 32768, 60999
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        pass
+    quiet = [p for p in range(20000, 65536) if not low <= p <= high]
+    for port in random.sample(quiet, min(len(quiet), 64)):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def start_proxy(serve: Any, host: str, port: int, tries: int = 5) -> int:
+    """Start Serve's HTTP proxy on ``host:port`` and return the port. ``port`` 0: a free
+    port chosen now, after Ray's processes have started, and another one if something took
+    it before the proxy bound it (``tries`` in all). Raises ``PortInUse`` where the port
+    asked for, or every port tried, was taken."""
+    for _ in range(tries if port == 0 else 1):
+        chosen = port or unclaimed_port(host)
+        try:
+            serve.start(http_options={"host": host, "port": chosen})
+        except Exception as exc:  # Ray wraps the proxy's error in its own task error
+            if "Failed to bind" not in str(exc):
+                raise
+            serve.shutdown()
+            continue
+        return chosen
+    raise PortInUse(f"cannot listen on {host}:{port or 'any port'}: the address is in use")
+
+
 def run(args: argparse.Namespace) -> int:
     """``kvpool cluster``: start (or join) Ray, run the application, serve until stopped."""
     import ray
@@ -152,7 +200,13 @@ def run(args: argparse.Namespace) -> int:
         ray.init(num_cpus=cpus, include_dashboard=False, namespace=LOG_NAMESPACE,
                  log_to_driver=not args.quiet)  # fmt: skip
     log_actor = event_log(args.block_size)
-    serve.start(http_options={"host": host, "port": port})
+    try:
+        port = start_proxy(serve, host, port)
+    except PortInUse as exc:
+        print(f"kvpool: {exc}", file=sys.stderr)
+        ray.kill(log_actor)
+        ray.shutdown()
+        return 1
     print(
         f"kvpool: starting {args.replicas} replicas ({threads} threads each, router "
         f"{args.router}) of {model_path}",
