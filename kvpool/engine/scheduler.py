@@ -118,20 +118,13 @@ class Scheduler:
         for request in sorted(self.running, key=_running_order):
             if request.status is not Status.RUNNING or budget <= 0:
                 continue
-            start = request.num_computed
-            end = min(len(request.tokens), start + budget)
-            if end - start > 1:
-                # while requests wait the step's floor waits for the admissions: it would
-                # take their half of the time where 32 prompt tokens are slow
-                end = start + prompts.take(start, end - start, keep, floor=not keep)
-                if end == start:
-                    deferred.append(request)
-                    continue  # its prompt goes on next step
-            if not self._hold_all_tokens(request):
-                continue  # preempted to make room (itself being the latest)
-            chunk = request.tokens[start:end]
-            work.append(Work(request, start, chunk))
-            budget -= len(chunk)
+            # while requests wait the step's floor waits for the admissions: it would
+            # take their half of the time where 32 prompt tokens are slow
+            n = self._chunk_size(request, budget, prompts, keep, floor=not keep)
+            if n == 0:
+                deferred.append(request)
+                continue  # its prompt goes on next step
+            budget -= self._add_work(work, request, n)
         rejected: list[Request] = []
         budget = self._admit(work, budget, prompts, rejected)
         for request in deferred:  # nothing admitted took the floor: a running prompt does
@@ -139,13 +132,35 @@ class Scheduler:
                 break
             if request.status is not Status.RUNNING:
                 continue
-            start = request.num_computed
-            end = start + prompts.take(start, min(len(request.tokens), start + budget) - start)
-            if end == start or not self._hold_all_tokens(request):
-                continue
-            work.append(Work(request, start, request.tokens[start:end]))
-            budget -= end - start
+            n = self._chunk_size(request, budget, prompts)
+            if n:
+                budget -= self._add_work(work, request, n)
         return work, rejected
+
+    def _chunk_size(
+        self,
+        request: Request,
+        budget: int,
+        prompts: _PromptTime,
+        keep: float = 0.0,
+        floor: bool = True,
+    ) -> int:
+        """Tokens of ``request``'s next chunk within ``budget``: a decode row's one, or
+        what the step's prompt time gives a prompt (``keep``, ``floor``: as in
+        ``_PromptTime.take``; 0: none this step)."""
+        start = request.num_computed
+        want = min(len(request.tokens) - start, budget)
+        return want if want <= 1 else prompts.take(start, want, keep, floor)
+
+    def _add_work(self, work: list[Work], request: Request, n: int) -> int:
+        """Appends a running request's next ``n`` tokens to ``work`` once its blocks hold
+        them; returns the tokens added (0: it was preempted to make room, itself being
+        the latest)."""
+        if not self._hold_all_tokens(request):
+            return 0
+        start = request.num_computed
+        work.append(Work(request, start, request.tokens[start : start + n]))
+        return n
 
     def _admit(
         self, work: list[Work], budget: int, prompts: _PromptTime, rejected: list[Request]
@@ -201,11 +216,9 @@ class Scheduler:
                 counters.cached_prompt_tokens += alloc.num_cached_tokens
             self.running.append(request)
             growth += own
+            n = max(1, self._chunk_size(request, budget, prompts))  # its first step: 1 at least
             start = request.num_computed
-            end = min(len(request.tokens), start + budget)
-            if end - start > 1:  # (its first step, then: at least one token)
-                end = start + max(1, prompts.take(start, end - start))
-            chunk = request.tokens[start:end]
+            chunk = request.tokens[start : start + n]
             work.append(Work(request, start, chunk))
             budget -= len(chunk)
         return budget
