@@ -144,15 +144,16 @@ def unclaimed_port(host: str) -> int:
             low, high = (int(x) for x in f.read().split())
     except (OSError, ValueError):
         pass
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     quiet = [p for p in range(20000, 65536) if not low <= p <= high]
     for port in random.sample(quiet, min(len(quiet), 64)):
-        with socket.socket() as sock:
+        with socket.socket(family) as sock:
             try:
                 sock.bind((host, port))
             except OSError:
                 continue
             return port
-    with socket.socket() as sock:
+    with socket.socket(family) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
