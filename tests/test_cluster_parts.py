@@ -25,7 +25,7 @@ import pytest
 
 from kvpool.cache import KVCacheManager
 from kvpool.cache.kv_index import prefix_keys
-from kvpool.cluster.app import PortInUse, start_proxy
+from kvpool.cluster.app import PortInUse, ephemeral_ports, start_proxy
 from kvpool.cluster.asgi_call import HTTPRequest, ResponseStart, call_app
 from kvpool.cluster.event_log import IndexReplay, KVEventLog, ReplicaLoad
 from kvpool.cluster.routing import PrefixRouting
@@ -269,20 +269,11 @@ class _ServeWithBusyPorts:
         self.shutdowns += 1
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(x) for x in f.read().split())
-            return low, high
-    except OSError:
-        return 32768, 60999
-
-
 def test_port_zero_takes_another_free_port_when_its_first_choice_was_taken():
     serve = _ServeWithBusyPorts(taken=2)
     port = start_proxy(serve, "127.0.0.1", 0)
     assert serve.tried[-1] == port and len(serve.tried) == 3 and serve.shutdowns == 2
-    low, high = _ephemeral_range()
+    low, high = ephemeral_ports()
     assert all(p >= 20000 and not low <= p <= high for p in serve.tried), serve.tried
     always_taken = _ServeWithBusyPorts(taken=99)
     with pytest.raises(PortInUse, match="any port"):

@@ -133,17 +133,22 @@ class PortInUse(RuntimeError):
     """Serve's HTTP proxy could not bind the address asked for."""
 
 
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for ports it hands out itself (Linux's default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+            return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def unclaimed_port(host: str) -> int:
     """A port free now on ``host``, chosen outside the kernel's ephemeral range and Ray's
     worker ports (10002-19999): Ray's own processes and every outgoing connection take
     ports from those, so a port picked there may be gone by the time the proxy binds it.
     Falls back to one the kernel hands out where no such port is free."""
-    low, high = 32768, 60999
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(x) for x in f.read().split())
-    except (OSError, ValueError):
-        pass
+    low, high = ephemeral_ports()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     quiet = [p for p in range(20000, 65536) if not low <= p <= high]
     for port in random.sample(quiet, min(len(quiet), 64)):
