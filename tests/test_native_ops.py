@@ -106,28 +106,38 @@ def test_op_rejects_tables_that_would_read_out_of_the_store():
         native(q, layer_kv, good, torch.tensor([33]), 16, 0.125)
 
 
-def test_a_decode_steps_tensors_are_the_padded_forms(fp32_model):
-    """Single-token steps through the native decode attention build their tensors in a
-    short form: the same values, shapes and dtypes as the general (padded) form's."""
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=["decode-op", "int8-varlen"])
+def test_a_decode_steps_tensors_are_the_padded_forms(fp32_model, kv_dtype):
+    """Single-token steps build their tensors in a short form: the same values, shapes and
+    dtypes as the general (padded) form's, on a runner whose decode tokens take the native
+    decode attention and on one whose every token takes ``paged_attention`` (an int8
+    store: ``varlen`` too)."""
     rng = random.Random(5)
     manager = KVCacheManager(256, 16)
-    runner = PagedRunner(fp32_model, manager, threads=None).runner
+    runner = PagedRunner(fp32_model, manager, threads=None, kv_dtype=kv_dtype).runner
+    assert runner.varlen == (kv_dtype is not None)
     for trial in range(20):
         chunks = []
         for _ in range(rng.choice([1, 2, 7, 32])):
             n = rng.randrange(1, 300)
             table = rng.sample(range(256), -(-n // 16) + rng.randrange(3))  # spare blocks too
             chunks.append(SeqChunk([rng.randrange(49000)], n - 1, table))
-        assert runner._native_decode_step([1] * len(chunks))
+        assert runner._native_decode_step([1] * len(chunks)) == (not runner.varlen)
         short = runner.build_batch(chunks)
         q_lens, ctx_lens, tables = runner._step_lists(chunks)
         padded = runner._padded_batch(chunks, tables, q_lens, ctx_lens)
         for f in dataclasses.fields(padded):
             a, b = getattr(short, f.name), getattr(padded, f.name)
-            if isinstance(b, torch.Tensor):
-                assert a.dtype == b.dtype and torch.equal(a, b), (trial, f.name)
+            if f.name == "varlen" and b is not None:  # starts, tables, lengths, None
+                assert a is not None and a[3] is b[3] is None, trial
+                pairs = list(zip(a[:3], b[:3], strict=True))
             else:
-                assert a == b, (trial, f.name)
+                pairs = [(a, b)]
+            for x, y in pairs:
+                if isinstance(y, torch.Tensor):
+                    assert x.dtype == y.dtype and torch.equal(x, y), (trial, f.name)
+                else:
+                    assert x == y, (trial, f.name)
     assert not runner._native_decode_step([1, 2])
 
 
