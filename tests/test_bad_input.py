@@ -139,6 +139,9 @@ CASES = [
     (UNPIN, {"model": MODEL, "id": "0123456789abcdef"}, 404, "no pin"),
     (UNPIN, {"model": MODEL, "prompt": "never pinned"}, 404, "no pin"),
     (RESET, {"pins": "maybe"}, 400, "pins"),
+    ("/api/pull", {"model": "llama9:999b"}, 404, "not found"),
+    ("/api/pull", {"model": ["smollm2:135m"]}, 400, "model"),
+    ("/api/push", {"model": MODEL}, 501, "never changes"),
     ("/api/nothing", {}, 404, "Not Found"),
 ]
 

@@ -150,3 +150,53 @@ def test_bad_model_names_and_keep_alive(two_model_server):
     )
     assert r.status_code == 400 and "keep_alive" in r.json()["error"]
     assert _loaded(proc.url) == ["smollm2:135m"]
+
+
+def test_pull_answers_for_what_the_server_can_serve_and_loads_nothing(two_model_server):
+    """``ollama.pull`` (which the ``ollama`` CLI's ``run`` and many scripts call before
+    a model's first use): ``success`` for the started model and for a file the server
+    would load on demand, without loading it; a 404 that says where kvpool looks for a
+    name it cannot resolve; the routes that change the model store answer 501 in
+    Ollama's shape. Nothing loads, nothing changes."""
+    proc, path = two_model_server
+    client = ollama.Client(host=proc.url)
+    assert _loaded(proc.url) == ["smollm2:135m"]
+    assert client.pull("smollm2:135m").status == "success"
+    assert [p.status for p in client.pull("smollm2", stream=True)] == ["success"]
+    assert client.pull(str(path)).status == "success"  # loadable: found, not loaded
+    with pytest.raises(ollama.ResponseError) as missing:
+        client.pull("nope:1b")
+    assert missing.value.status_code == 404
+    assert "Ollama store" in missing.value.error and "never downloads" in missing.value.error
+    r = httpx.post(f"{proc.url}/api/pull", json={})
+    assert r.status_code == 400 and r.json() == {"error": "model is required"}
+    for call in (
+        lambda: client.delete("smollm2:135m"),
+        lambda: client.copy("smollm2:135m", "other"),
+        lambda: client.push("smollm2:135m"),
+        lambda: client.create(model="other", from_="smollm2:135m"),
+    ):
+        with pytest.raises(ollama.ResponseError) as refused:
+            call()
+        assert refused.value.status_code == 501 and "never changes" in refused.value.error
+    assert _loaded(proc.url) == ["smollm2:135m"]
+
+
+def test_pull_on_a_one_model_server_names_the_flag(two_model_server):
+    """A server of one model cannot load another: pull says how to allow it."""
+    from kvpool.server.models import ModelRegistry
+
+    class Primary:
+        name = "smollm2:135m"
+        unloading = False
+
+        def matches(self, requested):
+            return requested.startswith("smollm2")
+
+    registry = ModelRegistry(Primary(), None)  # type: ignore[arg-type]
+    assert registry.check("smollm2") is registry.primary
+    with pytest.raises(APIError, match="--max-models") as refused:
+        registry.check(str(two_model_server[1]))
+    assert refused.value.status == 404
+    with pytest.raises(APIError, match="model is required"):
+        registry.check("")

@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvpool.model_store import ModelNotFound, resolve_model_path
 from kvpool.server.errors import APIError
 from kvpool.server.served_model import ServedModel
 
@@ -100,10 +101,25 @@ class ModelRegistry:
             model.expires_at = time.time() + ttl
         return model
 
-    def _find(self, requested: str) -> ServedModel | None:
-        return next((m for m in self.loaded() if m.matches(requested) and not m.unloading), None)
+    def check(self, requested: str | None) -> ServedModel | None:
+        """Whether a request for ``requested`` would be served, without loading anything:
+        the loaded model it names, or None for one that would be loaded on demand (its
+        file found). Raises as ``resolve`` would: 400 without a name, 404 for a name that
+        names no model this server can serve. (The load itself may still fail: a file
+        that is no model kvpool runs, every slot busy.)"""
+        if not requested:
+            raise APIError(400, "model is required")
+        model = self._find(requested)
+        if model is not None:
+            return model
+        self._can_load(requested)
+        try:
+            resolve_model_path(requested)
+        except ModelNotFound as exc:
+            raise APIError(404, str(exc), "not_found_error") from None
+        return None
 
-    async def _load_new(self, requested: str) -> ServedModel:
+    def _can_load(self, requested: str) -> None:
         if self._load is None or self.max_models <= 1:
             raise APIError(
                 404,
@@ -111,6 +127,13 @@ class ModelRegistry:
                 "(start it with --max-models N to load others on demand)",
                 "not_found_error",
             )
+
+    def _find(self, requested: str) -> ServedModel | None:
+        return next((m for m in self.loaded() if m.matches(requested) and not m.unloading), None)
+
+    async def _load_new(self, requested: str) -> ServedModel:
+        self._can_load(requested)
+        assert self._load is not None
         while len(self.loaded()) >= self.max_models:
             idle = [m for m in self.extras if m.active == 0 and not m.unloading]
             if not idle:

@@ -1,4 +1,6 @@
-"""Ollama's API: generate, chat (NDJSON streaming by default), tags, show, ps, version.
+"""Ollama's API: generate, chat (NDJSON streaming by default), tags, show, ps, version,
+pull (a model kvpool can serve: ``success``, nothing downloaded); the routes that change
+the model store (push, create, copy, delete, blobs) answer 501.
 
 Replies carry the fields Ollama's clients read: ``done``, ``done_reason``,
 ``prompt_eval_count``, ``eval_count`` and the durations in nanoseconds; ``context`` (the
@@ -20,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from kvpool import __version__
 from kvpool.server import logprobs, tools
 from kvpool.server.dashboard_api import wants_html
-from kvpool.server.errors import bad_request, read_json, stream_error
+from kvpool.server.errors import APIError, bad_request, read_json, stream_error
 from kvpool.server.formats import constrained, ollama_format
 from kvpool.server.generation import Generation, Outcome
 from kvpool.server.params import ollama_params
@@ -252,6 +254,53 @@ async def show(http: Request, state: State) -> Any:
         "capabilities": ["completion"],
         "modified_at": model.modified_at.isoformat(),
     }
+
+
+class PullBody(_Body):
+    model: str | None = None
+    name: str | None = None  # (older clients' field)
+    stream: bool = True
+    insecure: bool = False
+
+
+@router.post("/api/pull")
+async def pull(http: Request, state: State) -> Any:
+    """Ollama's pull, for clients that pull before they use a model (the ``ollama`` CLI's
+    ``run``, scripts that call ``ollama.pull`` first): kvpool downloads nothing, so a
+    model it can serve (loaded, or a file it would load on demand) answers ``success``
+    at once, as Ollama does for a model it already has; any other name is a 404 that
+    says where kvpool looks. Nothing is loaded."""
+    body = await read_json(http, PullBody)
+    state.models.check(body.model or body.name)
+    if body.stream:  # Ollama's progress stream, its last line
+        return StreamingResponse(
+            iter([b'{"status": "success"}\n']), media_type="application/x-ndjson"
+        )
+    return {"status": "success"}
+
+
+_STORE_ROUTES = [
+    ("/api/push", ["POST"]),
+    ("/api/create", ["POST"]),
+    ("/api/copy", ["POST"]),
+    ("/api/delete", ["DELETE"]),
+    ("/api/blobs/{digest}", ["HEAD", "POST"]),
+]
+
+
+async def _store_unsupported(http: Request) -> Any:
+    """The Ollama routes that change the model store: kvpool serves the files and the
+    local Ollama store as they are, and changes neither (Ollama's own CLI does)."""
+    raise APIError(
+        501,
+        f"{http.url.path} is not supported: kvpool serves GGUF files and the local Ollama "
+        "store as they are and never changes them; manage models with Ollama itself",
+        "not_implemented",
+    )
+
+
+for _path, _methods in _STORE_ROUTES:
+    router.add_api_route(_path, _store_unsupported, methods=_methods)
 
 
 @router.get("/api/ps")
