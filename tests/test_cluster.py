@@ -6,6 +6,7 @@ client, against the router's promises (issue: beyond one machine).
   default router (power of two choices), on the same workload, caches less.
 - The router's index equals the replicas' own block sets after a run that evicts.
 - Pins reach every replica; the cluster's /api/kvcache adds the replicas up.
+- A Responses conversation continues on the replica that stored it.
 - A replica killed mid-run: its requests end cleanly (an error, never a hang), later
   requests succeed, and Ray Serve brings a replica back.
 
@@ -159,6 +160,36 @@ def test_pins_reach_every_replica(cluster):
         data = httpx.get(f"{cluster.url}/api/dashboard", params={"replica": name}, timeout=60)
         assert data.status_code == 200, data.text
         assert any(p["tokens"] > 0 for p in data.json()["pins"])
+
+
+def test_a_responses_conversation_continues_on_the_replica_that_stored_it(cluster):
+    """Stored responses live on the replica that made them; a continuation
+    (``previous_response_id``) and a retrieval reach that replica (without it, about half
+    of them would reach the other one and get a 404)."""
+    live = set(wait_replicas(cluster, 2)["replicas"])
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", timeout=120)
+    holders = set()
+
+    def first(k: int):
+        return client.responses.create(
+            model=MODEL, input=f"{system_prompt(k, 200)} Hello.", max_output_tokens=8
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:  # at once: spread by load
+        firsts = list(pool.map(first, range(6)))
+    for reply in firsts:
+        for turn in range(3):
+            holder = reply.id.split("_")[1]
+            assert holder in live, reply.id
+            holders.add(holder)
+            reply = client.responses.create(
+                model=MODEL, input=f"Turn {turn}?", previous_response_id=reply.id,
+                max_output_tokens=2,
+            )  # fmt: skip
+            assert reply.id.split("_")[1] == holder  # the same replica, the chain's
+            assert reply.usage.input_tokens_details.cached_tokens > 0
+        assert client.responses.retrieve(reply.id).id == reply.id
+    assert holders == live  # the first turns were spread over both replicas
 
 
 def test_default_router_caches_less():

@@ -11,6 +11,8 @@ routing policy, and a request through an ASGI app in process.
   over.
 - ASGI: streamed parts arrive in order; closing early tells the app the client left; an
   app that fails before answering gives a 500.
+- Responses: a stateless request is tokenized as the same chat; one that names a stored
+  response goes to the replica whose id the response's id carries.
 - The HTTP port: asked for 0, the cluster takes another free port (outside the kernel's
   ephemeral range) when its first choice was taken before Serve's proxy bound it; a port
   asked for by number is tried once, a clear error if taken; other errors stay errors.
@@ -291,3 +293,70 @@ def test_a_port_asked_for_by_number_is_tried_once_and_other_errors_stay_errors()
     with pytest.raises(ValueError):
         start_proxy(broken, "127.0.0.1", 0)
     assert broken.shutdowns == 0 and len(broken.tried) == 1
+
+
+def test_a_responses_request_reads_as_the_same_chat_does(default_model_file):
+    """The ingress tokenizes a stateless Responses request as the chat completion of the
+    same conversation (instructions as the system turn, items as messages, function
+    tools): the two APIs route to, and reuse, the same cached prefix. A continuation
+    (``previous_response_id``) has its history on a replica: no prompt here."""
+    import json
+
+    from kvpool.cluster.prompt import PromptReader
+
+    reader = PromptReader(default_model_file)
+    tool = {"name": "f", "parameters": {"type": "object", "properties": {}}}
+    responses = {
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": "done"},
+        ],
+        "instructions": "Be brief.",
+        "tools": [{"type": "function", **tool}],
+    }
+    chat = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ]},
+            {"role": "tool", "tool_call_id": "c", "content": "done"},
+        ],
+        "tools": [{"type": "function", "function": tool}],
+    }  # fmt: skip
+    ids = reader.prompt_ids("/v1/responses", json.dumps(responses).encode())
+    assert ids and ids == reader.prompt_ids("/v1/chat/completions", json.dumps(chat).encode())
+    continued = {"input": "more", "previous_response_id": "resp_abc_123"}
+    assert reader.prompt_ids("/v1/responses", json.dumps(continued).encode()) is None
+    assert reader.max_tokens(json.dumps({"max_output_tokens": 7}).encode()) == 7
+
+
+def test_a_request_naming_a_stored_response_goes_to_the_replica_that_stored_it():
+    from kvpool.cluster.ingress import Ingress
+    from kvpool.server.responses_api import new_response_id, replica_of
+
+    rid = new_response_id("abc123")
+    assert replica_of(rid) == "abc123" and replica_of(new_response_id("")) is None
+    ingress = Ingress.__new__(Ingress)  # its routing of names alone: no Ray, no model
+
+    async def replicas() -> list[str]:
+        return ["abc123", "def456"]
+
+    ingress.replicas = replicas  # type: ignore[method-assign]
+
+    def holder(method: str, path: str, body: dict | None = None) -> str | None:
+        import json
+
+        request = HTTPRequest(method, path, body=json.dumps(body or {}).encode())
+        return asyncio.run(ingress._holder(request))
+
+    assert holder("POST", "/v1/responses", {"previous_response_id": rid}) == "abc123"
+    assert holder("GET", f"/v1/responses/{rid}") == "abc123"
+    assert holder("DELETE", f"/v1/responses/{rid}") == "abc123"
+    gone = new_response_id("zzz999")  # its replica is gone: any replica answers (404)
+    assert holder("POST", "/v1/responses", {"previous_response_id": gone}) is None
+    assert holder("POST", "/v1/responses", {"input": "x"}) is None
+    assert holder("POST", "/v1/chat/completions", {"previous_response_id": rid}) is None
+    assert asyncio.run(ingress._holder(HTTPRequest("POST", "/v1/responses", body=b"{"))) is None

@@ -4,7 +4,9 @@ Every generation request is tokenized here (``kvpool.cluster.prompt``: the model
 tokenizer and chat template, the tenant's salt from its key), turned into its prefix's
 block keys, and sent to an engine replica through the deployment handle, whose router
 (``kvpool.cluster.router``) picks the replica by those keys. The replica answers with
-its own server's response, streamed back unchanged.
+its own server's response, streamed back unchanged. A Responses request that names a
+stored response (``previous_response_id``, ``GET``/``DELETE /v1/responses/{id}``) goes
+to the replica that stored it: its id names the replica.
 
 What spans the replicas is answered here:
 
@@ -42,6 +44,7 @@ from kvpool.cache.kv_index import prefix_keys
 from kvpool.cluster.asgi_call import HTTPRequest, ResponseStart
 from kvpool.cluster.prompt import PromptReader
 from kvpool.cluster.routing import ROUTERS, RoutedRequest
+from kvpool.server import responses_api
 from kvpool.server.auth import KeyRing
 from kvpool.server.errors import error_body
 
@@ -118,6 +121,24 @@ class Ingress:
         routed.max_tokens = self.prompts.max_tokens(http.body)
         return routed
 
+    async def _holder(self, http: HTTPRequest) -> str | None:
+        """The replica holding the stored response a Responses request names (a
+        continuation's ``previous_response_id``; the id in ``GET`` / ``DELETE
+        /v1/responses/{id}``): the id says which (``responses_api.new_response_id``).
+        None where none does or that replica is gone: any replica then answers (a 404
+        for a response it never held)."""
+        route = http.path.rstrip("/")
+        named: Any = None
+        if route == "/v1/responses" and http.method == "POST":
+            try:
+                named = json.loads(http.body).get("previous_response_id")
+            except (ValueError, AttributeError):
+                return None
+        elif route.startswith("/v1/responses/"):
+            named = route.removeprefix("/v1/responses/")
+        tag = responses_api.replica_of(named) if isinstance(named, str) else None
+        return tag if tag is not None and tag in await self.replicas() else None
+
     async def _start(self, routed: RoutedRequest) -> tuple[ResponseStart, Any]:
         """Send to a replica; its ``ResponseStart`` and the stream of the rest."""
         stream = self.engine.options(stream=True).forward.remote(routed)
@@ -130,7 +151,7 @@ class Ingress:
 
     async def forward(self, http: HTTPRequest, replica: str | None = None) -> Response:
         routed = self._routed(http)
-        routed.replica = replica
+        routed.replica = replica or await self._holder(http)
         try:
             start, stream = await self._start(routed)
         except ReplicaGone as exc:

@@ -3,9 +3,9 @@
 The router matches a request's leading blocks against what each replica caches, so the
 ingress tokenizes with the model's own tokenizer and chat template, through the same
 functions the replica's API routes use (``ollama_api.generate_prompt``,
-``tools.prepare``, ``openai_api.completion_prompt``): the keys it computes are the keys
-the replica's block manager will find. No weights are loaded here, only the GGUF's
-header.
+``tools.prepare``, ``openai_api.completion_prompt``, ``responses_api.prompt``): the keys
+it computes are the keys the replica's block manager will find. No weights are loaded
+here, only the GGUF's header.
 
 A body the ingress cannot read (bad JSON, a field the API refuses) gets no prompt: the
 request is routed by load and the replica answers it with the API's own error.
@@ -19,7 +19,7 @@ from typing import Any
 
 from kvpool.formats.gguf_header import read_gguf_header
 from kvpool.model.tokenizer import Tokenizer
-from kvpool.server import ollama_api, openai_api, tools
+from kvpool.server import ollama_api, openai_api, responses_api, tools
 
 
 class PromptReader:
@@ -49,13 +49,14 @@ class PromptReader:
 
     @staticmethod
     def max_tokens(body: bytes, default: int = 128) -> int:
-        """The tokens a request may generate (``max_tokens``, ``max_completion_tokens`` or
-        Ollama's ``num_predict``); ``default`` where it does not say or is unbounded."""
+        """The tokens a request may generate (``max_tokens``, ``max_completion_tokens``,
+        Responses' ``max_output_tokens`` or Ollama's ``num_predict``); ``default`` where
+        it does not say or is unbounded."""
         try:
             data = json.loads(body)
             options = data.get("options") or {}
             for value in (data.get("max_completion_tokens"), data.get("max_tokens"),
-                          options.get("num_predict")):  # fmt: skip
+                          data.get("max_output_tokens"), options.get("num_predict")):  # fmt: skip
                 if isinstance(value, int) and value >= 0:
                     return value
         except (ValueError, AttributeError):
@@ -82,6 +83,12 @@ class PromptReader:
             if path == "/v1/completions":
                 comp = openai_api.CompletionBody.model_validate(data)
                 return openai_api.completion_prompt(self, comp)[1]
+            if path == "/v1/responses":  # a continuation's history is on its replica
+                resp = responses_api.ResponsesBody.model_validate(data)
+                own = responses_api.input_messages(resp.input)
+                if resp.previous_response_id or not own:
+                    return None
+                return responses_api.prompt(self, resp, [], own)[0]
         except Exception:  # any unreadable body: routed by load, answered by a replica
             return None
         return None

@@ -51,9 +51,10 @@ class EngineReplica:
 
         args = serve_args(argv)
         args.quiet = True
-        built = build(args)
-        self.app, self.llm, self.model = built.app, built.llm, built.model
         self.replica_id: str = serve.get_replica_context().replica_id.unique_id
+        # into its Responses ids: the ingress sends their continuations back here
+        built = build(args, response_tag=self.replica_id if self.replica_id.isalnum() else "")
+        self.app, self.llm, self.model = built.app, built.llm, built.model
         self._log = ray.get_actor(log_name, namespace=log_namespace)
         self._batches: collections.deque[list[Any]] = collections.deque()
         self._loop = asyncio.get_running_loop()

@@ -17,13 +17,22 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 
 from kvpool import __version__
-from kvpool.server import admin_api, dashboard_api, embed_api, errors, ollama_api, openai_api
+from kvpool.server import (
+    admin_api,
+    dashboard_api,
+    embed_api,
+    errors,
+    ollama_api,
+    openai_api,
+    responses_api,
+)
 from kvpool.server.auth import ANONYMOUS, KeyRing
 from kvpool.server.errors import APIError
 from kvpool.server.limits import BodyLimit
 from kvpool.server.metrics import Metrics
 from kvpool.server.models import Leases, ModelRegistry
 from kvpool.server.pool_history import PoolHistory
+from kvpool.server.response_store import ResponseStore
 from kvpool.server.served_model import ServedModel
 from kvpool.server.state import ServerState
 
@@ -50,9 +59,11 @@ def create_app(
     tenant_pin_share: float = 0.25,
     max_queue: int | None = None,
     models: ModelRegistry | None = None,
+    response_tag: str = "",
 ) -> Any:
     """The ASGI application (FastAPI wrapped in the body-size limit). ``models``: the
-    registry that loads other models on demand (default: ``model`` alone)."""
+    registry that loads other models on demand (default: ``model`` alone);
+    ``response_tag``: put into the Responses API's ids (a cluster replica's id)."""
     registry = models or ModelRegistry(model, None)
     metrics = Metrics(lambda: model.snapshot)
     history = PoolHistory(lambda: model.snapshot, metrics.activity)
@@ -81,11 +92,13 @@ def create_app(
         history=history,
         tenant_pin_share=tenant_pin_share,
         max_queue=max_queue,
+        responses=ResponseStore(tag=response_tag),
     )
     errors.install(app)
     auth = [Depends(authenticate)]
     app.include_router(ollama_api.router, dependencies=auth)
     app.include_router(openai_api.router, dependencies=auth)
+    app.include_router(responses_api.router, dependencies=auth)
     app.include_router(admin_api.router, dependencies=auth)
     app.include_router(embed_api.router, dependencies=auth)
     app.include_router(dashboard_api.router, dependencies=auth)

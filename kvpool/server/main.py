@@ -101,9 +101,9 @@ def _load_with_engine(
     return loaded, Engine(loaded.model, config, tokenizer=loaded.tokenizer)
 
 
-def build(args: argparse.Namespace) -> Built:
+def build(args: argparse.Namespace, response_tag: str = "") -> Built:
     """Load the model, build its engine and the app, as ``kvpool serve`` runs them (a
-    cluster replica builds the same, in process)."""
+    cluster replica builds the same, in process, its id as ``response_tag``)."""
     from kvpool.engine.async_llm import AsyncLLM
     from kvpool.model.threads import in_passing_thread
     from kvpool.model_store import ModelNotFound
@@ -175,6 +175,7 @@ def build(args: argparse.Namespace) -> Built:
         tenant_pin_share=args.tenant_pin_share,
         max_queue=args.max_queue,
         models=registry,
+        response_tag=response_tag,
     )
     return Built(app, llm, model, summary)
 

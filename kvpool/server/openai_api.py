@@ -1,6 +1,6 @@
 """OpenAI's API: chat completions and completions (SSE streaming ending with ``[DONE]``),
-models. Usage includes ``prompt_tokens_details.cached_tokens``: the prompt tokens served
-from the prefix cache."""
+models (the Responses API: ``responses_api``). Usage includes
+``prompt_tokens_details.cached_tokens``: the prompt tokens served from the prefix cache."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ Stored on ``app.state.kv``; routes reach it through the ``State`` dependency."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
@@ -12,6 +12,7 @@ from kvpool.server.auth import KeyRing, Tenant
 from kvpool.server.metrics import Metrics
 from kvpool.server.models import ModelRegistry
 from kvpool.server.pool_history import PoolHistory
+from kvpool.server.response_store import ResponseStore
 from kvpool.server.served_model import ServedModel
 
 
@@ -24,6 +25,7 @@ class ServerState:
     tenant_pin_share: float = 0.25  # of the pin budget, for each non-admin tenant's pins
     max_queue: int | None = None  # waiting requests (the engine refuses past it)
     history: PoolHistory | None = None  # the last minutes of the pool (the live view)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept
 
     def tenant_pin_blocks(self, max_pinned_blocks: int) -> int:
         """The blocks one non-admin tenant's pins may hold together."""
