@@ -306,6 +306,7 @@ def test_input_items_become_chat_messages():
             {"role": "developer", "content": "rules"},
             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "q"}]},
             {"type": "reasoning", "summary": []},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "calling"}]},
             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x": 1}'},
             {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
             {"type": "function_call_output", "call_id": "c1", "output": "one"},
@@ -313,6 +314,7 @@ def test_input_items_become_chat_messages():
         ]
     )
     assert [m["role"] for m in got] == ["system", "user", "assistant", "tool", "tool"]
+    assert got[2]["content"] == "calling"  # the text and its calls: one turn
     assert got[2]["tool_calls"] == [
         {"name": "f", "arguments": {"x": 1}},
         {"name": "g", "arguments": {}},

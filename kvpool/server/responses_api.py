@@ -96,8 +96,9 @@ def _text(content: Any, where: str) -> str:
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A request's ``input`` as chat messages: messages by role (developer as system),
-    consecutive ``function_call`` items as one assistant turn's calls, each
-    ``function_call_output`` a tool message."""
+    ``function_call`` items as the calls of the assistant turn they follow (its text and
+    calls one message, as a stored reply is), each ``function_call_output`` a tool
+    message."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
@@ -120,10 +121,10 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "function": {"name": name, "arguments": arguments},
             }
             last = messages[-1] if messages else None
-            if last is None or last["role"] != "assistant" or "tool_calls" not in last:
-                last = {"role": "assistant", "content": "", "tool_calls": []}
+            if last is None or last["role"] != "assistant":
+                last = {"role": "assistant", "content": ""}
                 messages.append(last)
-            last["tool_calls"].append(call)
+            last.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             output = _text(item.get("output", ""), where)
             messages.append({"role": "tool", "content": output})
