@@ -182,7 +182,7 @@ def test_pull_answers_for_what_the_server_can_serve_and_loads_nothing(two_model_
     assert _loaded(proc.url) == ["smollm2:135m"]
 
 
-def test_pull_on_a_one_model_server_names_the_flag(two_model_server):
+def test_pull_on_a_one_model_server_names_the_flag(default_model_file):
     """A server of one model cannot load another: pull says how to allow it."""
     from kvpool.server.models import ModelRegistry
 
@@ -196,7 +196,7 @@ def test_pull_on_a_one_model_server_names_the_flag(two_model_server):
     registry = ModelRegistry(Primary(), None)  # type: ignore[arg-type]
     assert registry.check("smollm2") is registry.primary
     with pytest.raises(APIError, match="--max-models") as refused:
-        registry.check(str(two_model_server[1]))
+        registry.check(str(default_model_file))  # a file it finds, but one model only
     assert refused.value.status == 404
     with pytest.raises(APIError, match="model is required"):
         registry.check("")

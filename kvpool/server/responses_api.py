@@ -115,16 +115,12 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             name, arguments = item.get("name"), item.get("arguments", "{}")
             if not isinstance(name, str) or not isinstance(arguments, str):
                 raise bad_request(f"{where}: a function_call needs a name and arguments (JSON)")
-            call = {
-                "id": str(item.get("call_id") or item.get("id") or f"call_{i}"),
-                "type": "function",
-                "function": {"name": name, "arguments": arguments},
-            }
+            call = tools.message_calls([{"function": {"name": name, "arguments": arguments}}])
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": ""}
                 messages.append(last)
-            last.setdefault("tool_calls", []).append(call)
+            last.setdefault("tool_calls", []).extend(call)
         elif kind == "function_call_output":
             output = _text(item.get("output", ""), where)
             messages.append({"role": "tool", "content": output})
@@ -135,9 +131,6 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 f"{where}: item type {kind!r} is not supported (message, function_call, "
                 "function_call_output)"
             )
-    for m in messages:
-        if "tool_calls" in m:
-            m["tool_calls"] = tools.message_calls(m["tool_calls"])
     return messages
 
 
@@ -199,8 +192,9 @@ def replica_of(response_id: str) -> str | None:
 
 
 def _params_body(body: ResponsesBody) -> SimpleNamespace:
-    """The fields ``openai_params`` reads, from a Responses request (no stop strings,
-    no n, no seed, no penalties in this API)."""
+    """The fields ``openai_params`` reads (it takes chat's and completions' bodies as
+    they are), from a Responses request: no stop strings, n, seed or penalties in this
+    API."""
     return SimpleNamespace(
         max_completion_tokens=body.max_output_tokens,
         max_tokens=None,
@@ -239,22 +233,22 @@ def _message_item(mid: str, text: str, status: str, lps: list | None) -> dict[st
             "content": [part]}  # fmt: skip
 
 
-def _call_item(call: tools.ToolCall, status: str = "completed") -> dict[str, Any]:
+def _call_item(call: tools.ToolCall) -> dict[str, Any]:
     return {
         "id": f"fc_{uuid.uuid4().hex}",
         "type": "function_call",
         "call_id": call.id,
         "name": call.name,
         "arguments": json.dumps(call.arguments),
-        "status": status,
+        "status": "completed",
     }
 
 
 def _reply_message(content: str, calls: list[tools.ToolCall]) -> dict[str, Any]:
     """The reply as the assistant turn of the next request's conversation."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = tools.message_calls([c.openai() for c in calls])
+    if calls:  # (message_calls' form: a name and its arguments as an object)
+        message["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in calls]
     return message
 
 
@@ -271,7 +265,7 @@ class _Reply:
     tenant: str
     own: list[dict[str, Any]]  # the request's own input, as chat messages (stored)
     want_logprobs: bool
-    rid: str = field(default_factory=lambda: new_response_id(""))
+    rid: str  # new_response_id's, with the server's tag
     mid: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -435,7 +429,7 @@ async def create_response(http: Request, state: State) -> Any:
     params = openai_params(_params_body(body), len(ids), model.context_length, asked)
     params = await constrained(params, fmt, model, len(ids))
     reply = _Reply(body, model, params, plan, store, tenant.name, own, asked is not None,
-                   rid=new_response_id(store.tag))  # fmt: skip
+                   new_response_id(store.tag))  # fmt: skip
     generation = await Generation.start(model, http, ids, params, tenant, state.metrics, "openai")
     if body.stream:
         return reply.sse(generation)
