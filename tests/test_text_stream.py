@@ -51,3 +51,18 @@ def test_pieces_concatenate_to_the_text_before_the_first_stop(text, stops, data)
     found = [text.find(s) for s in stops if s in text]
     expected = text[: min(found)] if found else text
     assert "".join(pieces) == expected
+
+
+def test_the_stop_string_that_ended_the_text_is_named():
+    pieces = ["The ", "sky ", "is ", "blue ", "and ", "green"]
+    ids = list(range(len(pieces)))
+
+    def decode(out):
+        return "".join(pieces[i] for i in out)
+
+    stream = TextStream(decode, stop=["green", "blue", "ue an"])
+    sent = "".join(stream.update(ids[: k + 1]) for k in range(len(ids)))
+    assert stream.stopped and stream.matched == "blue" and sent == "The sky is "
+    plain = TextStream(decode, stop=["red"])
+    plain.update(ids, final=True)
+    assert not plain.stopped and plain.matched is None

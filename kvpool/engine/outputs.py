@@ -22,8 +22,9 @@ class RequestOutput:
     is never in ``text``; text that could begin one, or an incomplete UTF-8 character,
     waits for the next tokens). ``finish_reason`` is set on the sample's last output:
     ``stop`` (a stop token or string), ``length``, ``cancelled``, ``error`` (``error``
-    then names the log id), ``too_long_for_pool``. ``pinned_tokens``: a pin request's
-    result (tokens pinned), on its last output.
+    then names the log id), ``too_long_for_pool``; ``stop_string`` then says which stop
+    string ended it (None for a stop token). ``pinned_tokens``: a pin request's result
+    (tokens pinned), on its last output.
     """
 
     request_id: str  # as added: every sample of the request shares it
@@ -38,6 +39,7 @@ class RequestOutput:
     error: str | None = None
     pinned_tokens: int | None = None
     pin_error: Exception | None = None  # a pin request refused (a CacheError)
+    stop_string: str | None = None  # the stop string that ended it, on its last output
     time: float = 0.0  # time.monotonic() when the step that produced it ended
     # one per token of token_ids, where the request asked for logprobs (else None)
     logprobs: list[TokenLogprobs] | None = None
@@ -95,7 +97,7 @@ class OutputProcessor:
     ) -> RequestOutput:
         key = (request.request_id, request.index)
         finished = request.status is Status.FINISHED
-        text = ""
+        text, stop_string = "", None
         if self._decode is not None and request.finish_reason != "error":
             stream = self._texts.get(key)
             if stream is None:
@@ -104,6 +106,7 @@ class OutputProcessor:
             if stream.stopped and not finished:
                 self._on_stop(request)  # a stop string: it ends now, its blocks freed
                 finished = True
+            stop_string = stream.matched
         output = request.output_ids
         sent = self._sent.get(key, 0)
         self._sent[key] = len(output)
@@ -123,6 +126,7 @@ class OutputProcessor:
             error=request.error,
             pinned_tokens=pinned,
             pin_error=request.pin_error,
+            stop_string=stop_string if finished else None,
             time=now,
             logprobs=request.logprobs[sent:] if request.params.logprobs is not None else None,
             embedding=request.embedding if finished else None,

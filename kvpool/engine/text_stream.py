@@ -19,6 +19,7 @@ class TextStream:
         self._stop = tuple(stop)
         self.sent = ""  # released so far
         self.stopped = False  # a stop string was found: the text is final
+        self.matched: str | None = None  # which one (the first in the text)
 
     def update(self, output_ids: Sequence[int], *, final: bool = False) -> str:
         """The new text that is safe to release after ``output_ids`` (all output tokens
@@ -28,6 +29,9 @@ class TextStream:
         text = self._decode(output_ids)
         cut = self._first_stop(text)
         if cut is not None:
+            self.matched = min(
+                (s for s in self._stop if text.startswith(s, cut)), key=len, default=None
+            )
             text, self.stopped, final = text[:cut], True, True
         if not final:
             hold = self._stop_prefix_len(text)

@@ -179,6 +179,10 @@ class Tokenizer:
         self._template = env.from_string(self.chat_template)
         return self._template
 
-    def encode_chat(self, messages: list[dict[str, Any]], **kw: Any) -> list[int]:
-        """Token ids of a rendered conversation (the template writes BOS where it wants)."""
-        return self.encode(self.render_chat(messages, **kw), add_bos=False)
+    def encode_chat(
+        self, messages: list[dict[str, Any]], *, prefill: str = "", **kw: Any
+    ) -> list[int]:
+        """Token ids of a rendered conversation (the template writes BOS where it wants);
+        ``prefill``: text the reply starts with, written after the rendered prompt (its
+        tokens are the prompt's: the model continues from them)."""
+        return self.encode(self.render_chat(messages, **kw) + prefill, add_bos=False)
