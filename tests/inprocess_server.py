@@ -19,10 +19,12 @@ from kvpool.server.served_model import ServedModel
 
 
 class InProcessServer:
-    def __init__(self, llm: LLM, *, keys: KeyRing | None = None, **app_kw) -> None:
+    def __init__(
+        self, llm: LLM, *, keys: KeyRing | None = None, aliases: list[str] | None = None, **app_kw
+    ) -> None:
         self.llm = llm
         self.engine = AsyncLLM(llm.engine)
-        self.model = ServedModel.open(None, llm.loaded, self.engine)
+        self.model = ServedModel.open(None, llm.loaded, self.engine, aliases=aliases)
         app = create_app(self.model, keys=keys, **app_kw)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))

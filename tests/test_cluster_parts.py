@@ -333,6 +333,53 @@ def test_a_responses_request_reads_as_the_same_chat_does(default_model_file):
     assert reader.max_tokens(json.dumps({"max_output_tokens": 7}).encode()) == 7
 
 
+def test_an_anthropic_messages_request_reads_as_the_same_chat_does(default_model_file):
+    """The ingress tokenizes a Messages request (system blocks, tool_use and
+    tool_result blocks, custom tools) as the chat completion of the same conversation,
+    so both route to the same cached prefix; a stream its replica cannot finish ends in
+    Anthropic's ``error`` event, not in OpenAI's ``[DONE]``."""
+    import json
+
+    from kvpool.cluster.asgi_call import ResponseStart
+    from kvpool.cluster.ingress import _failure_tail
+    from kvpool.cluster.prompt import PromptReader
+
+    reader = PromptReader(default_model_file)
+    schema = {"type": "object", "properties": {}}
+    messages = {
+        "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "done"}]},
+        ],
+        "tools": [{"name": "f", "input_schema": schema}],
+        "max_tokens": 9,
+    }  # fmt: skip
+    chat = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ]},
+            {"role": "tool", "tool_call_id": "c", "content": "done"},
+        ],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
+    }  # fmt: skip
+    ids = reader.prompt_ids("/v1/messages", json.dumps(messages).encode())
+    assert ids and ids == reader.prompt_ids("/v1/chat/completions", json.dumps(chat).encode())
+    assert reader.max_tokens(json.dumps(messages).encode()) == 9
+    sse = ResponseStart(200, [(b"content-type", b"text/event-stream; charset=utf-8")])
+    tail = _failure_tail("/v1/messages", sse, "gone").decode()
+    assert tail.startswith("event: error\ndata: ") and tail.endswith("\n\n")
+    event = json.loads(tail.split("data: ", 1)[1])
+    assert event == {"type": "error", "error": {"type": "overloaded_error", "message": "gone"}}
+    assert "[DONE]" in _failure_tail("/v1/chat/completions", sse, "gone").decode()
+
+
 def test_a_request_naming_a_stored_response_goes_to_the_replica_that_stored_it():
     from kvpool.cluster.ingress import Ingress
     from kvpool.server.responses_api import new_response_id, replica_of

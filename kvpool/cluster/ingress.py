@@ -46,7 +46,7 @@ from kvpool.cluster.prompt import PromptReader
 from kvpool.cluster.routing import ROUTERS, RoutedRequest
 from kvpool.server import responses_api
 from kvpool.server.auth import KeyRing
-from kvpool.server.errors import error_body
+from kvpool.server.errors import anthropic_path, anthropic_stream_error, error_body
 
 log = logging.getLogger("kvpool.cluster")
 
@@ -68,6 +68,8 @@ class ReplicaGone(Exception):
 def _failure_tail(path: str, start: ResponseStart, message: str) -> bytes:
     """How a stream that its replica can no longer finish ends, in the API's shape."""
     kind = (start.header("content-type") or "").split(";")[0].strip()
+    if kind == "text/event-stream" and anthropic_path(path):
+        return anthropic_stream_error(503, message)
     if kind == "text/event-stream":
         error = {"message": message, "type": "service_unavailable", "param": None, "code": 503}
         return f"data: {json.dumps({'error': error})}\n\ndata: [DONE]\n\n".encode()
@@ -114,7 +116,7 @@ class Ingress:
         ids = self.prompts.prompt_ids(http.path, http.body)
         if ids is None:
             return RoutedRequest(http)
-        tenant = self.keys.tenant(http.header("authorization"))
+        tenant = self.keys.tenant(http.header("authorization"), http.header("x-api-key"))
         salt = tenant.salt if tenant is not None else None
         keys = prefix_keys(ids, self.block_size, salt)
         routed = RoutedRequest(http, keys, len(ids), self.prompts.decode(ids))
@@ -289,7 +291,7 @@ class Ingress:
         return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def cluster(self, http: HTTPRequest, blocks: bool) -> Response:
-        tenant = self.keys.tenant(http.header("authorization"))
+        tenant = self.keys.tenant(http.header("authorization"), http.header("x-api-key"))
         if tenant is None:
             return self._error(http.path, 401, "a valid API key is required")
         if not tenant.admin:

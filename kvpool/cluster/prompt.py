@@ -3,9 +3,9 @@
 The router matches a request's leading blocks against what each replica caches, so the
 ingress tokenizes with the model's own tokenizer and chat template, through the same
 functions the replica's API routes use (``ollama_api.generate_prompt``,
-``tools.prepare``, ``openai_api.completion_prompt``, ``responses_api.prompt``): the keys
-it computes are the keys the replica's block manager will find. No weights are loaded
-here, only the GGUF's header.
+``tools.prepare``, ``openai_api.completion_prompt``, ``responses_api.prompt``,
+``anthropic_api.prompt``): the keys it computes are the keys the replica's block manager
+will find. No weights are loaded here, only the GGUF's header.
 
 A body the ingress cannot read (bad JSON, a field the API refuses) gets no prompt: the
 request is routed by load and the replica answers it with the API's own error.
@@ -19,7 +19,7 @@ from typing import Any
 
 from kvpool.formats.gguf_header import read_gguf_header
 from kvpool.model.tokenizer import Tokenizer
-from kvpool.server import ollama_api, openai_api, responses_api, tools
+from kvpool.server import anthropic_api, ollama_api, openai_api, responses_api, tools
 
 
 class PromptReader:
@@ -89,6 +89,9 @@ class PromptReader:
                 if resp.previous_response_id or not own:
                     return None
                 return responses_api.prompt(self, resp, [], own)[0]
+            if path == "/v1/messages":
+                body = anthropic_api.MessagesBody.model_validate(data)
+                return anthropic_api.prompt(self, body)[0]
         except Exception:  # any unreadable body: routed by load, answered by a replica
             return None
         return None

@@ -1,6 +1,7 @@
 """``create_app``: the FastAPI application for one served model.
 
-Routes: ``ollama_api`` (``/api/...``, ``/``), ``openai_api`` (``/v1/...``), ``admin_api``
+Routes: ``ollama_api`` (``/api/...``, ``/``), ``openai_api`` and ``responses_api``
+(``/v1/...``), ``anthropic_api`` (``/v1/messages``), ``admin_api``
 (``/api/kvcache``, ``/metrics``), ``dashboard_api`` (``/dashboard``, the live view, and its
 data). Every route but ``/``, ``/dashboard`` and ``/api/version`` needs a valid
 key when keys are configured (401 otherwise); the key's tenant is on ``request.state``.
@@ -19,6 +20,7 @@ from fastapi import Depends, FastAPI, Request
 from kvpool import __version__
 from kvpool.server import (
     admin_api,
+    anthropic_api,
     dashboard_api,
     embed_api,
     errors,
@@ -44,10 +46,10 @@ async def authenticate(request: Request) -> None:
     if request.url.path in PUBLIC_PATHS:
         request.state.tenant = ANONYMOUS if not keys.enabled else keys.tenant(None) or ANONYMOUS
         return
-    tenant = keys.tenant(request.headers.get("authorization"))
+    tenant = keys.tenant(request.headers.get("authorization"), request.headers.get("x-api-key"))
     if tenant is None:
-        raise APIError(401, "a valid API key is required (Authorization: Bearer <key>)",
-                       "authentication_error")  # fmt: skip
+        raise APIError(401, "a valid API key is required (Authorization: Bearer <key>, "
+                       "or x-api-key: <key>)", "authentication_error")  # fmt: skip
     request.state.tenant = tenant
 
 
@@ -99,6 +101,7 @@ def create_app(
     app.include_router(ollama_api.router, dependencies=auth)
     app.include_router(openai_api.router, dependencies=auth)
     app.include_router(responses_api.router, dependencies=auth)
+    app.include_router(anthropic_api.router, dependencies=auth)
     app.include_router(admin_api.router, dependencies=auth)
     app.include_router(embed_api.router, dependencies=auth)
     app.include_router(dashboard_api.router, dependencies=auth)

@@ -64,17 +64,23 @@ class KeyRing:
                     raise ValueError(f"{keys_file}:{number}: expected '[tenant] key [admin]'")
         return cls(keys)
 
-    def tenant(self, authorization: str | None) -> Tenant | None:
-        """The tenant of an ``Authorization: Bearer <key>`` header; None if not valid.
-        Without keys everyone is the anonymous tenant."""
+    def tenant(self, authorization: str | None, api_key: str | None = None) -> Tenant | None:
+        """The tenant of an ``Authorization: Bearer <key>`` header, else of an
+        ``x-api-key`` header (Anthropic's clients send their key there); None if neither
+        is valid. Without keys everyone is the anonymous tenant."""
         if not self._keys:
             return ANONYMOUS
-        if not authorization or not authorization.lower().startswith("bearer "):
-            return None
-        given = authorization[7:].strip().encode()
+        if authorization and authorization.lower().startswith("bearer "):
+            found = self._match(authorization[7:].strip())
+            if found is not None:
+                return found
+        return self._match(api_key.strip()) if api_key else None
+
+    def _match(self, key: str) -> Tenant | None:
+        given = key.encode()
         found = None
-        for key, tenant in self._keys.items():  # compare all, in constant time each
-            if hmac.compare_digest(key.encode(), given):
+        for known, tenant in self._keys.items():  # compare all, in constant time each
+            if hmac.compare_digest(known.encode(), given):
                 found = tenant
         return found
 

@@ -1,5 +1,6 @@
 """Errors as each API's clients expect them: Ollama ``{"error": "..."}``, OpenAI
-``{"error": {"message", "type", "param", "code"}}`` (paths under ``/v1/``).
+``{"error": {"message", "type", "param", "code"}}`` (paths under ``/v1/``), Anthropic
+``{"type": "error", "error": {"type", "message"}}`` (``/v1/messages``).
 
 Every refusal is a 4xx with a message that says what was wrong and what the limits are;
 nothing is allocated for a refused request.
@@ -43,7 +44,36 @@ def bad_request(message: str) -> APIError:
     return APIError(400, message)
 
 
+# OpenAI's error kinds (this module's) as Anthropic's
+_ANTHROPIC_KINDS = {
+    "server_error": "api_error",
+    "service_unavailable": "overloaded_error",
+    "request_too_large": "request_too_large",
+}
+
+
+def anthropic_path(path: str) -> bool:
+    """A route of Anthropic's Messages API: its errors take that API's shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error(status: int, message: str, kind: str = "") -> dict:
+    """Anthropic's error object (``{"type": "error", "error": {"type", "message"}}``)."""
+    kind = kind or _kind(status)
+    kind = _ANTHROPIC_KINDS.get(kind, kind)
+    if status >= 500 and kind == "invalid_request_error":
+        kind = "api_error"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def anthropic_stream_error(status: int, message: str, kind: str = "") -> bytes:
+    """The ``error`` event that ends an Anthropic stream which cannot go on."""
+    return f"event: error\ndata: {json.dumps(anthropic_error(status, message, kind))}\n\n".encode()
+
+
 def error_body(path: str, status: int, message: str, kind: str) -> dict:
+    if anthropic_path(path):
+        return anthropic_error(status, message, kind)
     if path.startswith("/v1/"):
         return {"error": {"message": message, "type": kind, "param": None, "code": status}}
     return {"error": message}

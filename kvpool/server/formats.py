@@ -5,6 +5,7 @@
   "json_object"}``, or ``{"type": "json_schema", "json_schema": {"name": ..., "schema":
   {...}, "strict": ...}}``. The schema is always enforced exactly (``strict`` or not);
   ``strict: true`` asks nothing more of kvpool.
+- Anthropic: ``output_config.format`` is ``{"type": "json_schema", "schema": {...}}``.
 
 Compiling a format (and, the first time, the tokenizer's grammar tables: ~0.5 s) runs on
 a worker thread, never on the event loop; the engine then finds it compiled.
@@ -52,6 +53,18 @@ def openai_response_format(value: Any) -> ResponseFormat | None:
     raise bad_request(
         f"response_format type {kind!r} is not supported (text, json_object, json_schema)"
     )
+
+
+def anthropic_output_format(value: Any) -> ResponseFormat | None:
+    """Anthropic's ``output_config.format`` (or the beta's ``output_format``):
+    ``{"type": "json_schema", "schema": {...}}``."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "json_schema":
+        raise bad_request('output_config.format must be {"type": "json_schema", "schema": {...}}')
+    if not isinstance(value.get("schema"), dict):
+        raise bad_request("output_config.format needs a schema (an object)")
+    return ResponseFormat.json_schema(value["schema"])
 
 
 async def constrained(

@@ -29,6 +29,7 @@ class Sample:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended it (None: another end)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # where asked for
 
 
@@ -114,6 +115,7 @@ class Generation:
                     self._metrics.activity.first_token(delta.time - out.arrival)
                 if delta.finish_reason is not None:
                     sample.finish_reason = _public_reason(delta.finish_reason)
+                    sample.stop_string = delta.stop_string
                 yield delta
         except Exception:
             failed = True

@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long a model loaded on demand stays after its last request "
                         "(e.g. 5m, 0, -1 for ever; default OLLAMA_KEEP_ALIVE, else 5m); "
                         "the started model always stays")  # fmt: skip
+    p.add_argument("--alias", action="append", default=None, metavar="NAME",
+                   help="another name the started model answers to (repeatable), for "
+                        "clients that send a fixed name (Claude Code's claude-...)")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no load progress, warnings only")
 
 
@@ -133,7 +136,7 @@ def build(args: argparse.Namespace, response_tag: str = "") -> Built:
     if args.quiet:  # the compute choice is said even then: one line
         print(f"kvpool: {loaded.compute_line()}", file=sys.stderr)
     llm = AsyncLLM(engine)
-    model = ServedModel.open(args.model, loaded, llm)
+    model = ServedModel.open(args.model, loaded, llm, aliases=args.alias)
     n, bs = engine.num_blocks, engine.block_size
     summary = (
         f"  KV pool: {n} blocks of {bs} tokens = {n * bs:,} token slots "

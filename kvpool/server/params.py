@@ -14,6 +14,9 @@ temperature and top_p (default 1), n, stop, seed, presence / frequency penalties
 logprobs / top_logprobs, and vLLM's extensions: ``top_k`` (0 or -1: off), ``min_p``,
 ``repetition_penalty`` and ``ignore_eos`` (also llama.cpp's, for benchmarks).
 
+Anthropic: ``max_tokens`` (required), ``temperature`` (in [0, 1]), ``top_p``,
+``top_k``, ``stop_sequences``.
+
 A wrong type or value is a 400 naming the option and its range (``SamplingParams``
 holds the bounds both APIs share: temperature, penalties, top-k, stop strings, seeds of
 64 bits); a prompt that leaves no room for output in the context (or ``num_ctx``) is a
@@ -138,6 +141,27 @@ def openai_params(
         min_p=_optional("min_p", body.min_p, float, 0.0),
         repetition_penalty=_optional("repetition_penalty", body.repetition_penalty, float, 1.0),
         logprobs=logprobs,
+    )
+
+
+def anthropic_params(body: Any, prompt_len: int, context: int) -> SamplingParams:
+    """Anthropic's Messages options: ``max_tokens`` (required, at least 1; capped by the
+    context), ``temperature`` in [0, 1] (default 1), ``top_p``, ``top_k``,
+    ``stop_sequences``."""
+    if body.max_tokens is None:
+        raise bad_request("max_tokens is required")
+    if body.max_tokens < 1:
+        raise bad_request("max_tokens must be at least 1")
+    if body.temperature is not None and not 0 <= body.temperature <= 1:
+        raise bad_request("temperature must be in [0, 1]")
+    if body.top_k is not None and body.top_k < 0:
+        raise bad_request("top_k must not be negative")
+    return SamplingParams(
+        max_tokens=max_new_tokens(body.max_tokens, prompt_len, context),
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        stop=stop_strings("stop_sequences", body.stop_sequences),
     )
 
 

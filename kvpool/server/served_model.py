@@ -58,15 +58,24 @@ class ServedModel:
     unloading: bool = False
 
     @classmethod
-    def open(cls, requested: str | None, loaded: LoadedModel, llm: AsyncLLM) -> ServedModel:
+    def open(
+        cls,
+        requested: str | None,
+        loaded: LoadedModel,
+        llm: AsyncLLM,
+        aliases: list[str] | None = None,
+    ) -> ServedModel:
+        """The loaded model as the server names it: ``requested`` (or its file's stem),
+        and ``aliases``, more names it answers to (``kvpool serve --alias``)."""
         path = loaded.path
+        more = set(aliases or ())
         if requested is None or requested.lower() in DEFAULT_ALIASES:
             name, aliases = DEFAULT_NAME, {*DEFAULT_ALIASES, DEFAULT_NAME}
         elif Path(requested).expanduser().is_file():
             name, aliases = path.stem, {path.stem, requested, str(path)}
         else:
             name, aliases = _with_tag(requested), {requested}
-        aliases |= {name, _with_tag(name)}
+        aliases |= {name, _with_tag(name), *more}
         header = read_gguf_header(path)
         info = {k: v for k, v in header.metadata.items() if not isinstance(v, list)}
         digest = hashlib.sha256()

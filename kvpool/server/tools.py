@@ -299,10 +299,11 @@ class ToolPlan:
 
 
 def prepare(
-    model: Any, messages: list[dict[str, Any]], raw_tools: Any, choice: Any
+    model: Any, messages: list[dict[str, Any]], raw_tools: Any, choice: Any, prefill: str = ""
 ) -> tuple[list[int], ToolPlan]:
     """The prompt's token ids with the tools rendered in, and the plan (400s for bad
-    tools or a ``tool_choice`` that names none of them)."""
+    tools or a ``tool_choice`` that names none of them). ``prefill``: the start of the
+    reply, written for the model to continue (Anthropic's last assistant turn)."""
     tools = check_tools(raw_tools)
     template = model.chat_template
     fmt = tool_format(template)
@@ -311,6 +312,8 @@ def prepare(
     )
     shown = [] if choice == "none" else tools
     rendered, extra = chat_messages(messages, shown, template)
+    if prefill:
+        extra["prefill"] = prefill
     try:
         ids = model.encode_chat(rendered, **extra)
     except ValueError as exc:  # the template refused the conversation
