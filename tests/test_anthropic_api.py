@@ -50,7 +50,7 @@ def llm() -> LLM:
 @pytest.fixture(scope="module")
 def server(llm):
     keys = KeyRing({"key-a": Tenant("a", admin=True), "key-b": Tenant("b", admin=False)})
-    srv = InProcessServer(llm, keys=keys, aliases=["claude-sonnet-4-5"])
+    srv = InProcessServer(llm, keys=keys, aliases=["claude-*", "Sonnet"])
     yield srv
     srv.stop()
 
@@ -98,12 +98,12 @@ def test_a_message_says_what_chat_says_and_its_usage_what_the_cache_served(serve
     assert again.usage.input_tokens == usage.prompt_tokens - cached
     counted = client(server).messages.count_tokens(model=MODEL, messages=asked, system=system)
     assert counted.input_tokens == usage.prompt_tokens
-    # a name given with --alias (Claude Code sends its own model names) is this model
-    aliased = client(server).messages.create(
-        model="claude-sonnet-4-5", max_tokens=24, messages=asked, system=system,
-        extra_body=GREEDY,
-    )  # fmt: skip
-    assert aliased.content[0].text == want.content
+    # names given with --alias (Claude Code sends its own model names) are this model
+    for name in ("claude-sonnet-4-5", "claude-haiku-4-5-20251001", "sonnet"):
+        aliased = client(server).messages.create(
+            model=name, max_tokens=24, messages=asked, system=system, extra_body=GREEDY
+        )
+        assert aliased.content[0].text == want.content
 
 
 def test_claude_codes_billing_header_does_not_cost_the_prefix(server):

@@ -68,8 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(e.g. 5m, 0, -1 for ever; default OLLAMA_KEEP_ALIVE, else 5m); "
                         "the started model always stays")  # fmt: skip
     p.add_argument("--alias", action="append", default=None, metavar="NAME",
-                   help="another name the started model answers to (repeatable), for "
-                        "clients that send a fixed name (Claude Code's claude-...)")  # fmt: skip
+                   help="another name the started model answers to (repeatable; * matches "
+                        "any text), for clients that send fixed names: 'claude-*'")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no load progress, warnings only")
 
 

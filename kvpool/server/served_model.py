@@ -6,6 +6,7 @@ read the engine's snapshot, pin and unpin prefixes. The routes reach nothing els
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -66,7 +67,8 @@ class ServedModel:
         aliases: list[str] | None = None,
     ) -> ServedModel:
         """The loaded model as the server names it: ``requested`` (or its file's stem),
-        and ``aliases``, more names it answers to (``kvpool serve --alias``)."""
+        and ``aliases``, more names it answers to (``kvpool serve --alias``; ``*`` in one
+        matches any text: ``claude-*``)."""
         path = loaded.path
         more = set(aliases or ())
         if requested is None or requested.lower() in DEFAULT_ALIASES:
@@ -101,7 +103,12 @@ class ServedModel:
         self.loaded = None  # type: ignore[assignment]
 
     def matches(self, requested: str) -> bool:
-        return requested.lower() in self.aliases or _with_tag(requested.lower()) in self.aliases
+        """Whether a request naming ``requested`` means this model: one of its names (a
+        missing tag is ``:latest``), or an alias with ``*`` (``claude-*``) that fits."""
+        name = requested.lower()
+        if name in self.aliases or _with_tag(name) in self.aliases:
+            return True
+        return any("*" in a and fnmatch.fnmatchcase(name, a) for a in self.aliases)
 
     # -- text ------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
