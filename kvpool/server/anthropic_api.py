@@ -91,8 +91,8 @@ BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 def _system_text(system: str | list[Any]) -> str:
-    """``system`` without Claude Code's billing-header line (nothing for the model: vLLM,
-    SGLang and llama.cpp drop it too)."""
+    """``system`` without Claude Code's billing-header line (nothing for the model; vLLM
+    drops it too)."""
     if isinstance(system, list):
         system = [b for b in system if not (isinstance(b, dict) and isinstance(
             b.get("text"), str) and b["text"].startswith(BILLING_HEADER))]  # fmt: skip
