@@ -295,6 +295,22 @@ def test_a_port_asked_for_by_number_is_tried_once_and_other_errors_stay_errors()
     assert broken.shutdowns == 0 and len(broken.tried) == 1
 
 
+# A chat completion with one call and its result: the Responses and Messages requests
+# of the same conversation must read as it does.
+CHAT_WITH_A_CALL = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        ]},
+        {"role": "tool", "tool_call_id": "c", "content": "done"},
+    ],
+    "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {}}}}],
+}  # fmt: skip
+
+
 def test_a_responses_request_reads_as_the_same_chat_does(default_model_file):
     """The ingress tokenizes a stateless Responses request as the chat completion of the
     same conversation (instructions as the system turn, items as messages, function
@@ -315,19 +331,9 @@ def test_a_responses_request_reads_as_the_same_chat_does(default_model_file):
         "instructions": "Be brief.",
         "tools": [{"type": "function", **tool}],
     }
-    chat = {
-        "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-            ]},
-            {"role": "tool", "tool_call_id": "c", "content": "done"},
-        ],
-        "tools": [{"type": "function", "function": tool}],
-    }  # fmt: skip
     ids = reader.prompt_ids("/v1/responses", json.dumps(responses).encode())
-    assert ids and ids == reader.prompt_ids("/v1/chat/completions", json.dumps(chat).encode())
+    chat = json.dumps(CHAT_WITH_A_CALL).encode()
+    assert ids and ids == reader.prompt_ids("/v1/chat/completions", chat)
     continued = {"input": "more", "previous_response_id": "resp_abc_123"}
     assert reader.prompt_ids("/v1/responses", json.dumps(continued).encode()) is None
     assert reader.max_tokens(json.dumps({"max_output_tokens": 7}).encode()) == 7
@@ -358,19 +364,9 @@ def test_an_anthropic_messages_request_reads_as_the_same_chat_does(default_model
         "tools": [{"name": "f", "input_schema": schema}],
         "max_tokens": 9,
     }  # fmt: skip
-    chat = {
-        "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-            ]},
-            {"role": "tool", "tool_call_id": "c", "content": "done"},
-        ],
-        "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}],
-    }  # fmt: skip
     ids = reader.prompt_ids("/v1/messages", json.dumps(messages).encode())
-    assert ids and ids == reader.prompt_ids("/v1/chat/completions", json.dumps(chat).encode())
+    chat = json.dumps(CHAT_WITH_A_CALL).encode()
+    assert ids and ids == reader.prompt_ids("/v1/chat/completions", chat)
     assert reader.max_tokens(json.dumps(messages).encode()) == 9
     sse = ResponseStart(200, [(b"content-type", b"text/event-stream; charset=utf-8")])
     tail = _failure_tail("/v1/messages", sse, "gone").decode()

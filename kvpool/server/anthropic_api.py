@@ -160,9 +160,9 @@ def _user_turns(blocks: list[Any], where: str) -> list[dict[str, Any]]:
                 f"{at}: block type {kind!r} is not supported in a user message (text, "
                 "tool_result; kvpool's models read text only)"
             )
-    if text or not out:
-        if not text:
-            raise bad_request(f"{where}: content must not be empty")
+    if not out and not text:
+        raise bad_request(f"{where}: content must not be empty")
+    if text:
         out.append({"role": "user", "content": "\n".join(text)})
     return out
 
@@ -208,14 +208,14 @@ def chat_tools(raw: list[Any] | None) -> list[dict[str, Any]] | None:
         return None
     out = []
     for i, tool in enumerate(raw):
-        kind = tool.get("type", "custom") if isinstance(tool, dict) else None
-        if kind not in ("custom", None):
+        if not isinstance(tool, dict):
+            raise bad_request(f"tools[{i}] must be an object")
+        kind = tool.get("type") or "custom"
+        if kind != "custom":
             raise bad_request(
                 f"tools[{i}]: only custom tools (a name and an input_schema) are supported; "
                 f"{kind!r} is a server tool"
             )
-        if not isinstance(tool, dict):
-            raise bad_request(f"tools[{i}] must be an object")
         function = {"name": tool.get("name")}
         if "description" in tool:
             function["description"] = tool["description"]

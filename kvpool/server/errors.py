@@ -44,12 +44,8 @@ def bad_request(message: str) -> APIError:
     return APIError(400, message)
 
 
-# OpenAI's error kinds (this module's) as Anthropic's
-_ANTHROPIC_KINDS = {
-    "server_error": "api_error",
-    "service_unavailable": "overloaded_error",
-    "request_too_large": "request_too_large",
-}
+# This module's error kinds (OpenAI's) that Anthropic names otherwise
+_ANTHROPIC_KINDS = {"server_error": "api_error", "service_unavailable": "overloaded_error"}
 
 
 def anthropic_path(path: str) -> bool:
