@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 
 import pytest
 
@@ -300,10 +301,14 @@ def test_other_refusals_in_anthropics_shape(server):
     reply = httpx.post(f"{server.url}/v1/messages", content=b"{not json",
                        headers={"x-api-key": "key-a"}, timeout=60)  # fmt: skip
     assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
-    # past the context: a 400 that names both lengths
+    # past the context: a 400 in Anthropic's words (Claude Code reads the two numbers)
     long = [{"role": "user", "content": "word " * 9000}]
-    with pytest.raises(anthropic.BadRequestError):
+    with pytest.raises(anthropic.BadRequestError) as too_long:
         c.messages.create(model=MODEL, max_tokens=4, messages=long)
+    said = too_long.value.body["error"]["message"]
+    counted = c.messages.count_tokens(model=MODEL, messages=long).input_tokens
+    assert re.match(r"prompt is too long[^0-9]*(\d+)\s*tokens?\s*>\s*(\d+)", said)
+    assert said.startswith(f"prompt is too long: {counted} tokens > 8191 maximum")
     assert idle(server)
 
 

@@ -6,7 +6,8 @@ client, against the router's promises (issue: beyond one machine).
   default router (power of two choices), on the same workload, caches less.
 - The router's index equals the replicas' own block sets after a run that evicts.
 - Pins reach every replica; the cluster's /api/kvcache adds the replicas up.
-- A Responses conversation continues on the replica that stored it.
+- A Responses conversation continues on the replica that stored it; Anthropic's Messages
+  requests are routed to their cached prefix as chat's are.
 - A replica killed mid-run: its requests end cleanly (an error, never a hang), later
   requests succeed, and Ray Serve brings a replica back.
 
@@ -190,6 +191,31 @@ def test_a_responses_conversation_continues_on_the_replica_that_stored_it(cluste
             assert reply.usage.input_tokens_details.cached_tokens > 0
         assert client.responses.retrieve(reply.id).id == reply.id
     assert holders == live  # the first turns were spread over both replicas
+
+
+def test_anthropic_messages_are_routed_to_their_cached_prefix(cluster):
+    """The ingress reads Anthropic's Messages requests as it reads chat: each system
+    prompt's later requests (another question each, some streamed) go where its blocks
+    are cached (routed by load alone, about half would compute it again)."""
+    anthropic = pytest.importorskip("anthropic")
+    wait_replicas(cluster, 2)
+    client = anthropic.Anthropic(base_url=cluster.url, api_key="unused", timeout=120)
+
+    def ask_messages(k: int, question: str, stream: bool = False):
+        kw = {"model": MODEL, "max_tokens": 2, "system": system_prompt(k + 20, 200),
+              "messages": [{"role": "user", "content": question}]}  # fmt: skip
+        if not stream:
+            return client.messages.create(**kw)
+        with client.messages.stream(**kw) as events:
+            return events.get_final_message()
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # at once: spread by load
+        list(pool.map(lambda k: ask_messages(k, "Hello?"), range(4)))
+    for k in range(4):
+        for q in range(3):
+            reply = ask_messages(k, f"Question {q}?", stream=q == 1)
+            u = reply.usage
+            assert u.cache_read_input_tokens >= 0.8 * (u.input_tokens + u.cache_read_input_tokens)
 
 
 def test_default_router_caches_less():
