@@ -176,6 +176,50 @@ def test_function_calls_and_their_outputs(server):
         a.responses.retrieve(resent.id)
 
 
+def test_namespaced_functions_and_tools_the_server_would_run(server):
+    """Codex sends its sub-agent functions in a ``namespace`` and ``web_search`` with
+    every request: the namespace's functions are offered as ``namespace.name`` (a call
+    names the two apart, and comes back the same way), hosted tools are left out of the
+    prompt (the same tokens as without them)."""
+    a, _ = clients(server)
+    space = {"type": "namespace", "name": "weather", "description": "Weather tools",
+             "tools": [{**WEATHER, "name": "now"}]}  # fmt: skip
+    asked = a.responses.create(
+        model=MODEL, input="What is the weather in Paris?", tools=[space],
+        tool_choice="required", max_output_tokens=60, temperature=0,
+    )  # fmt: skip
+    calls = [o for o in asked.output if o.type == "function_call"]
+    assert calls and all(c.name == "now" and c.namespace == "weather" for c in calls)
+    hosted = a.responses.create(
+        model=MODEL, input="What is the weather in Paris?", tool_choice="required",
+        tools=[{"type": "web_search", "external_web_access": False}, space,
+               {"type": "custom", "name": "apply_patch"}],
+        max_output_tokens=60, temperature=0,
+    )  # fmt: skip
+    assert hosted.usage.input_tokens == asked.usage.input_tokens
+    assert [(c.name, c.arguments) for c in hosted.output if c.type == "function_call"] == [
+        (c.name, c.arguments) for c in calls
+    ]
+    # the call sent back with its namespace renders as the stored turn did
+    output = [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny"}
+              for c in calls]  # fmt: skip
+    stored = a.responses.create(
+        model=MODEL, input=output, previous_response_id=asked.id, tools=[space],
+        max_output_tokens=8, temperature=0,
+    )  # fmt: skip
+    resent = a.responses.create(
+        model=MODEL, tools=[space], max_output_tokens=8, temperature=0, store=False,
+        input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            *[{"type": "function_call", "call_id": c.call_id, "name": c.name,
+               "namespace": c.namespace, "arguments": c.arguments} for c in calls],
+            *output,
+        ],
+    )  # fmt: skip
+    assert stored.usage.input_tokens == resent.usage.input_tokens
+    assert stored.output_text == resent.output_text
+
+
 def test_text_format_constrains_and_logprobs_come_with_the_text(server):
     a, _ = clients(server)
     schema = {
@@ -220,7 +264,7 @@ def test_tenants_see_only_their_own_responses(server):
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "not supported"),
         ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]}, "text content"),
         ({"input": [{"role": "wizard", "content": "x"}]}, "role"),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "function tools"),
+        ({"input": "x", "tools": [{"type": "namespace", "name": "n"}]}, "namespace"),
         ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
         ({"input": "x", "previous_response_id": "resp_none"}, "not found"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),

@@ -14,7 +14,9 @@ Stored responses (``store``, true by default) let ``previous_response_id`` conti
 conversation: the server rebuilds it from the chain of stored turns (each holds only its
 own input and output, so a long chain costs linear memory), and the prefix cache serves
 the tokens it already holds (``response_store``: the last 1,024, in memory; a tenant
-sees only its own). Not supported (400): non-function tools, non-text
+sees only its own). ``namespace`` tools' functions are offered as ``namespace.name``
+(their calls name both apart); tools OpenAI's servers run (web search, ...) and
+freeform ``custom`` tools are left out of the prompt. Not supported (400): non-text
 content, ``item_reference`` items, ``background``. Reasoning items sent back by clients
 are skipped (kvpool's models make none).
 """
@@ -115,6 +117,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             name, arguments = item.get("name"), item.get("arguments", "{}")
             if not isinstance(name, str) or not isinstance(arguments, str):
                 raise bad_request(f"{where}: a function_call needs a name and arguments (JSON)")
+            if isinstance(item.get("namespace"), str):  # a namespace's function, as shown
+                name = f"{item['namespace']}.{name}"
             call = tools.message_calls([{"function": {"name": name, "arguments": arguments}}])
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":
@@ -134,18 +138,33 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
+def _function(tool: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+    if prefix and isinstance(function.get("name"), str):
+        function["name"] = f"{prefix}.{function['name']}"
+    return {"type": "function", "function": function}
+
+
 def chat_tools(raw: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Responses' function tools (``name`` and ``parameters`` at the top) in chat's
-    form; other tool types are refused."""
+    form, a ``namespace``'s functions named ``namespace.name``. Tools that OpenAI's
+    servers run (web and file search, code interpreter, ...) and freeform ``custom``
+    tools are left out of the prompt: nothing here runs them, and the model calls only
+    what it is shown (Codex sends ``web_search`` with every request)."""
     if raw is None:
         return None
     out = []
     for i, tool in enumerate(raw):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise bad_request(f"tools[{i}]: only function tools are supported (got {kind!r})")
-        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
-        out.append({"type": "function", "function": function})
+        if not isinstance(tool, dict):
+            raise bad_request(f"tools[{i}] must be an object")
+        if tool.get("type") == "function":
+            out.append(_function(tool))
+        elif tool.get("type") == "namespace":
+            inner = tool.get("tools")
+            if not isinstance(inner, list) or not isinstance(tool.get("name"), str):
+                raise bad_request(f"tools[{i}]: a namespace needs a name and its tools (a list)")
+            out += [_function(t, tool["name"]) for t in inner
+                    if isinstance(t, dict) and t.get("type") == "function"]  # fmt: skip
     return out
 
 
@@ -233,8 +252,15 @@ def _message_item(mid: str, text: str, status: str, lps: list | None) -> dict[st
             "content": [part]}  # fmt: skip
 
 
-def _call_item(call: tools.ToolCall) -> dict[str, Any]:
-    return {
+def _namespaces(raw: list[dict[str, Any]] | None) -> frozenset[str]:
+    spaces = [t for t in raw or () if isinstance(t, dict) and t.get("type") == "namespace"]
+    return frozenset(t["name"] for t in spaces if isinstance(t.get("name"), str))
+
+
+def _call_item(call: tools.ToolCall, namespaces: frozenset[str]) -> dict[str, Any]:
+    """A ``function_call`` item; a call of ``namespace.name`` (``chat_tools``' naming)
+    names its function and its namespace apart, as OpenAI's do."""
+    item = {
         "id": f"fc_{uuid.uuid4().hex}",
         "type": "function_call",
         "call_id": call.id,
@@ -242,6 +268,10 @@ def _call_item(call: tools.ToolCall) -> dict[str, Any]:
         "arguments": json.dumps(call.arguments),
         "status": "completed",
     }
+    space, dot, name = call.name.partition(".")
+    if dot and space in namespaces:
+        item["name"], item["namespace"] = name, space
+    return item
 
 
 def _reply_message(content: str, calls: list[tools.ToolCall]) -> dict[str, Any]:
@@ -312,7 +342,7 @@ class _Reply:
         items = []
         if content or not calls or streamed:
             items.append(_message_item(self.mid, content, status, lps))
-        items += [_call_item(c) for c in calls]
+        items += [_call_item(c, _namespaces(self.body.tools)) for c in calls]
         final = self.response(status, items, out)
         if self.body.store:
             turn = StoredTurn(self.tenant, self.own, _reply_message(content, calls),
