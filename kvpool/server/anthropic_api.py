@@ -398,8 +398,6 @@ def _block_start(index: int, block: dict[str, Any]) -> dict[str, Any]:
 async def create_message(http: Request, state: State) -> Any:
     body = await read_json(http, MessagesBody)
     model = await state.resolve(http, body.model)
-    if body.max_tokens is None:
-        raise bad_request("max_tokens is required")
     ids, plan = prompt(model, body)
     config = body.output_config or {}
     fmt = anthropic_output_format(config.get("format") or body.output_format)
@@ -408,10 +406,6 @@ async def create_message(http: Request, state: State) -> Any:
             raise bad_request("output_config.format cannot be combined with a tool_choice that "
                               "forces a call (any, tool)")  # fmt: skip
         fmt = plan.forced
-    if len(ids) >= model.context_length:  # in Anthropic's words, which clients parse
-        raise bad_request(f"prompt is too long: {len(ids)} tokens > {model.context_length - 1} "
-                          f"maximum (the model's context: {model.context_length} tokens, the "
-                          "prompt and at least one of output)")  # fmt: skip
     params = anthropic_params(body, len(ids), model.context_length)
     params = await constrained(params, fmt, model, len(ids))
     generation = await Generation.start(

@@ -147,11 +147,16 @@ def openai_params(
 def anthropic_params(body: Any, prompt_len: int, context: int) -> SamplingParams:
     """Anthropic's Messages options: ``max_tokens`` (required, at least 1; capped by the
     context), ``temperature`` in [0, 1] (default 1), ``top_p``, ``top_k``,
-    ``stop_sequences``."""
+    ``stop_sequences``. A prompt that fills the context is refused in Anthropic's words,
+    which clients parse (Claude Code reads the two numbers)."""
     if body.max_tokens is None:
         raise bad_request("max_tokens is required")
     if body.max_tokens < 1:
         raise bad_request("max_tokens must be at least 1")
+    if prompt_len >= context:
+        raise bad_request(f"prompt is too long: {prompt_len} tokens > {context - 1} maximum "
+                          f"(the model's context: {context} tokens, the prompt and at least "
+                          "one of output)")  # fmt: skip
     if body.temperature is not None and not 0 <= body.temperature <= 1:
         raise bad_request("temperature must be in [0, 1]")
     if body.top_k is not None and body.top_k < 0:

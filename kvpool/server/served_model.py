@@ -70,14 +70,13 @@ class ServedModel:
         and ``aliases``, more names it answers to (``kvpool serve --alias``; ``*`` in one
         matches any text: ``claude-*``)."""
         path = loaded.path
-        more = set(aliases or ())
         if requested is None or requested.lower() in DEFAULT_ALIASES:
-            name, aliases = DEFAULT_NAME, {*DEFAULT_ALIASES, DEFAULT_NAME}
+            name, names = DEFAULT_NAME, {*DEFAULT_ALIASES, DEFAULT_NAME}
         elif Path(requested).expanduser().is_file():
-            name, aliases = path.stem, {path.stem, requested, str(path)}
+            name, names = path.stem, {path.stem, requested, str(path)}
         else:
-            name, aliases = _with_tag(requested), {requested}
-        aliases |= {name, _with_tag(name), *more}
+            name, names = _with_tag(requested), {requested}
+        names |= {name, _with_tag(name), *(aliases or ())}
         header = read_gguf_header(path)
         info = {k: v for k, v in header.metadata.items() if not isinstance(v, list)}
         digest = hashlib.sha256()
@@ -90,7 +89,7 @@ class ServedModel:
             path=path,
             loaded=loaded,
             llm=llm,
-            aliases=frozenset(a.lower() for a in aliases if a),
+            aliases=frozenset(a.lower() for a in names if a),
             digest=digest.hexdigest(),
             size=stat.st_size,
             modified_at=datetime.fromtimestamp(stat.st_mtime, UTC),
