@@ -1,6 +1,6 @@
 """Small GGUF files with random weights, written by the tests (gguf's GGUFWriter).
 
-Both architectures the runtime supports, with chosen ggml types per tensor. K-quant
+Each architecture the runtime supports, with chosen ggml types per tensor. K-quant
 types, which the gguf package cannot quantize, are written as random blocks
 (``kvpool.bench.random_blocks``: valid, finite blocks with small fp16 scales).
 """
@@ -14,6 +14,9 @@ import numpy as np
 from kvpool.bench.random_blocks import random_blocks
 
 HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 512
+# qwen3's heads are wider than hidden / heads (Qwen3-0.6B: 16 heads of 128 over 1024), and
+# transformers' GGUF loader takes Qwen3Config's default head_dim, 128: so do these files
+QWEN3_HEAD_DIM = 128
 
 
 def write_model(
@@ -46,7 +49,10 @@ def write_model(
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
 
-    head_dim = HIDDEN // HEADS
+    head_dim = QWEN3_HEAD_DIM if arch == "qwen3" else HIDDEN // HEADS
+    if arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     shapes = {
         "token_embd.weight": (VOCAB, HIDDEN),
         "output_norm.weight": (HIDDEN,),
@@ -59,12 +65,14 @@ def write_model(
             p + "attn_q.weight": (HEADS * head_dim, HIDDEN),
             p + "attn_k.weight": (KV_HEADS * head_dim, HIDDEN),
             p + "attn_v.weight": (KV_HEADS * head_dim, HIDDEN),
-            p + "attn_output.weight": (HIDDEN, HIDDEN),
+            p + "attn_output.weight": (HIDDEN, HEADS * head_dim),
             p + "ffn_norm.weight": (HIDDEN,),
             p + "ffn_gate.weight": (INTER, HIDDEN),
             p + "ffn_up.weight": (INTER, HIDDEN),
             p + "ffn_down.weight": (HIDDEN, INTER),
         }
+        if arch == "qwen3":
+            shapes |= {p + "attn_q_norm.weight": (head_dim,), p + "attn_k_norm.weight": (head_dim,)}
         if arch == "qwen2":
             shapes |= {
                 p + "attn_q.bias": (HEADS * head_dim,),

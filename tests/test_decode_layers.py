@@ -116,6 +116,25 @@ def test_native_layers_with_float_products(default_model_file):
     assert torch.equal(got, want)
 
 
+def test_native_layers_with_qk_norms(default_model_file):
+    """Per-head Q/K norms (qwen3's) run in the native call as in the loop (the default
+    model has none: random ones are added here), and they change what it computes."""
+    from kvpool.model.products import ProductPolicy
+
+    def decode(norms: bool, native: bool) -> torch.Tensor:
+        model = _model(default_model_file, torch.bfloat16, ProductPolicy())
+        gen = torch.Generator().manual_seed(5)
+        for layer in model.layers if norms else []:
+            for name in ("q_norm", "k_norm"):
+                weight = 1 + 0.3 * torch.randn(model.config.head_dim, generator=gen)
+                setattr(layer, name, weight.to(torch.bfloat16))
+        return _decode(model, native, Mode.ONE, steps=2)[0]
+
+    got = decode(True, True)
+    assert torch.equal(got, decode(True, False))
+    assert not torch.equal(got, decode(False, True))
+
+
 def test_steps_it_does_not_cover_take_the_loop(int8_model, fp32_model):
     """float32 (the reference keeps torch's norms), a model without the native ops, and
     steps whose attention is not the native decode op (prefix groups) run the loop."""

@@ -162,6 +162,34 @@ def test_add_rms_norm_matches_torch(dtype, rows):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 9, 40])
+def test_head_rms_norm_matches_torch_per_head(dtype, tokens):
+    """qwen3's Q/K norm: every Q head normed by one weight, every K head by another, V
+    copied; within one rounding of torch's rms_norm per head (the sum's order), bit for
+    bit in every variant, and the input left alone."""
+    heads, kv_heads, dim = 16, 8, 128
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 4).to(dtype)
+    before = qkv.clone()
+    qw, kw = (torch.randn(dim, generator=gen).to(dtype) for _ in range(2))
+    got = ops.head_rms_norm(qkv, qw, kw, heads, kv_heads, 1e-6)
+    assert torch.equal(qkv, before)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    want = torch.cat([
+        F.rms_norm(q.reshape(tokens, heads, dim), (dim,), qw, 1e-6).reshape(tokens, -1),
+        F.rms_norm(k.reshape(tokens, kv_heads, dim), (dim,), kw, 1e-6).reshape(tokens, -1),
+        v,
+    ], dim=-1)  # fmt: skip
+    rel = 2**-7 if dtype == torch.bfloat16 else 1e-6
+    assert ((got.float() - want.float()).abs() <= rel * want.float().abs() + 1e-6).all()
+    assert torch.equal(got[:, -kv_heads * dim :], v)
+    for variant in ops.kernel_variants():
+        assert _same_bits(ops.head_rms_norm(qkv, qw, kw, heads, kv_heads, 1e-6, variant), got)
+    with pytest.raises(RuntimeError, match="qkv"):
+        ops.head_rms_norm(qkv[:, :-dim].contiguous(), qw, kw, heads, kv_heads, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 9, 40])
 def test_rope_write_kv_matches_the_torch_form(fp32_model, dtype, tokens):
     cfg = fp32_model.config
     gen = torch.Generator().manual_seed(tokens)

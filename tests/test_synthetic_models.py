@@ -59,7 +59,7 @@ def _logits(model, prompt: list[int]) -> torch.Tensor:
     return torch.cat([prefill, decode])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("mix", sorted(MIXES))
 def test_random_model_matches_reference(tmp_path: Path, arch: str, mix: str):
     path = write_model(tmp_path / f"{arch}-{mix}.gguf", arch, MIXES[mix], seed=len(arch + mix))
@@ -69,6 +69,7 @@ def test_random_model_matches_reference(tmp_path: Path, arch: str, mix: str):
     quantized = _native() is not None  # the weights in their blocks, as the runtime has them
     config, weights = load_gguf_weights(path, quantized=quantized)
     assert config.architecture == arch and config.attention_bias == (arch == "qwen2")
+    assert config.qk_norm == (arch == "qwen3")
     model = LlamaModel(config, weights, torch.device("cpu"), torch.float32)
     if quantized:
         assert isinstance(model.embed, QuantizedRows)
@@ -96,6 +97,27 @@ def test_int8_products_stay_near_the_float_products(tmp_path: Path, mix: str):
     scale = logits["float"].abs().max().item()
     error = (logits["int8"] - logits["float"]).abs().max().item()
     assert scale > 1.0 and error < INT8_LOGIT_BOUND * scale, (error, scale)
+
+
+@pytest.mark.skipif(_native() is None, reason="the native ops are not built here")
+def test_qwen3_serving_path_stays_near_float32(tmp_path: Path):
+    """A qwen3 file as ``kvpool serve`` runs it (bfloat16, int8 products, a decode step's
+    layers and their Q/K norms in one native call) against its float32 float-product
+    reference. The median row: a tiny random model has positions where bf16's rounding
+    alone (float products too) flips a near-tie in a hidden state and moves a few rows'
+    logits by the whole scale, in llama files as in qwen3 ones."""
+    from kvpool.model.products import ProductPolicy
+
+    path = write_model(tmp_path / "qwen3.gguf", "qwen3", MIXES["k-quants"], seed=9)
+    logits, models = {}, {}
+    for dtype, policy in ((torch.float32, ProductPolicy(exact=True)), (torch.bfloat16, None)):
+        config, weights = load_gguf_weights(path, dtype, quantized=True)
+        models[dtype] = LlamaModel(config, weights, torch.device("cpu"), dtype, policy)
+        logits[dtype] = _logits(models[dtype], [(5 * i + 2) % 500 for i in range(40)])
+    assert models[torch.bfloat16]._decode_layers  # its decode step took the native call
+    scale = logits[torch.float32].abs().max().item()
+    rows = (logits[torch.bfloat16] - logits[torch.float32]).abs().amax(dim=-1)
+    assert scale > 1.0 and rows.median().item() < 0.25 * INT8_LOGIT_BOUND * scale, (rows, scale)
 
 
 def _llama3_rope_factors(head_dim: int, base: float, scaling: dict[str, float]):
@@ -173,3 +195,47 @@ def test_quantized_weights_are_kept_once_in_their_blocks(tmp_path):
     assert q.nbytes == q.numel() // 256 * 144  # Q4_K: 144 bytes per 256 values
     assert isinstance(kept["blk.0.ffn_up.weight"], torch.Tensor)
     assert isinstance(kept["blk.0.attn_norm.weight"], torch.Tensor)
+
+
+# Parameter counts the models' publishers state (Hugging Face configs' totals).
+PUBLISHED_PARAMETERS = {
+    "smollm2-135m": 134_515_008, "llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824,
+    "llama-3.1-8b": 8_030_261_248, "qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920,
+    "qwen3-1.7b": 1_720_574_976, "qwen3-4b": 4_022_468_096, "qwen3-8b": 8_190_735_360,
+}  # fmt: skip
+
+
+def test_synth_model_presets_have_the_published_sizes():
+    import math
+
+    from kvpool.bench.synth_model import PRESETS, _shapes
+
+    assert set(PRESETS) == set(PUBLISHED_PARAMETERS)
+    for name, geometry in PRESETS.items():
+        shapes = _shapes(geometry)
+        count = sum(math.prod(shape) for t, shape, _ in shapes if t != "rope_freqs.weight")
+        assert count == PUBLISHED_PARAMETERS[name], name
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q4_0", "Q8_0"])
+def test_synth_model_writes_a_qwen3_file_the_runtime_loads(tmp_path: Path, mix: str):
+    """A qwen3 geometry shrunk to test size, written by ``kvpool bench synth-model``'s
+    writer: wide heads (128 over a hidden size of 256), Q/K norms, the mix's types; the
+    runtime reads its geometry back and computes finite, moving logits from it."""
+    import dataclasses
+
+    from kvpool.bench.synth_model import PRESETS, write
+    from kvpool.formats.gguf_header import read_gguf_header
+
+    tiny = dataclasses.replace(
+        PRESETS["qwen3-0.6b"], hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, vocab=2048
+    )
+    path = write(tiny, mix, tmp_path / "tiny.gguf", progress=False)
+    types = {t.name: t.ggml_type for t in read_gguf_header(path).tensors}
+    assert len(set(types.values())) >= (3 if mix == "Q4_K_M" else 2)  # F32 norms too
+    config, weights = load_gguf_weights(path, quantized=_native() is not None)
+    assert (config.architecture, config.head_dim, config.q_size) == ("qwen3", 128, 512)
+    assert config.qk_norm and config.context_length == 40960
+    model = LlamaModel(config, weights, torch.device("cpu"), torch.float32)
+    logits = _logits(model, [(3 * i + 7) % 2000 for i in range(20)])
+    assert logits.isfinite().all() and logits.std() > 0.1

@@ -3,7 +3,8 @@ quantization mix of real models, so speed and memory are measured at the sizes u
 without downloading anything. The text such a model writes is noise; its shapes, bytes
 and arithmetic are real, and llama.cpp runs the same files.
 
-Geometries follow the models' published configs (vocabulary sizes included); mixes follow
+Geometries follow the models' published configs (vocabulary sizes, head widths and context
+lengths included; each preset's parameter count is the published one: tested); mixes follow
 llama.cpp's quantize rules: ``Q4_0`` and ``Q8_0`` quantize every matrix alike (Q4_0's
 output head is Q6_K, as llama.cpp makes it), ``Q4_K_M`` uses Q4_K with Q6_K for the
 output head and for ``attn_v`` / ``ffn_down`` in the layers llama.cpp gives more bits
@@ -37,19 +38,25 @@ class Geometry:
     rope_theta: float = 10000.0
     context: int = 8192
     llama3_rope: bool = False  # a rope_freqs tensor (Llama 3.1/3.2 frequency scaling)
+    key_length: int = 0  # a head's width where it is not hidden / heads (qwen3)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.key_length or self.hidden // self.heads
 
 
-_L3 = {"rope_theta": 500000.0, "llama3_rope": True}
+_L3 = {"rope_theta": 500000.0, "llama3_rope": True, "context": 131072}
+_Q3 = {"rope_theta": 1000000.0, "context": 40960, "key_length": 128}
 PRESETS = {
     "smollm2-135m": Geometry("llama", 576, 30, 9, 3, 1536, 49152, True, 100000.0),
     "llama-3.2-1b": Geometry("llama", 2048, 16, 32, 8, 8192, 128256, True, **_L3),
     "llama-3.2-3b": Geometry("llama", 3072, 28, 24, 8, 8192, 128256, True, **_L3),
     "llama-3.1-8b": Geometry("llama", 4096, 32, 32, 8, 14336, 128256, False, **_L3),
-    "qwen2.5-0.5b": Geometry("qwen2", 896, 24, 14, 2, 4864, 151936, True, 1000000.0),
+    "qwen2.5-0.5b": Geometry("qwen2", 896, 24, 14, 2, 4864, 151936, True, 1000000.0, 32768),
+    "qwen3-0.6b": Geometry("qwen3", 1024, 28, 16, 8, 3072, 151936, True, **_Q3),
+    "qwen3-1.7b": Geometry("qwen3", 2048, 28, 16, 8, 6144, 151936, True, **_Q3),
+    "qwen3-4b": Geometry("qwen3", 2560, 36, 32, 8, 9728, 151936, True, **_Q3),
+    "qwen3-8b": Geometry("qwen3", 4096, 36, 32, 8, 12288, 151936, False, **_Q3),
 }
 MIXES = ("Q4_0", "Q8_0", "Q4_K_M")
 FILE_TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15}  # llama.cpp's general.file_type
@@ -87,6 +94,11 @@ def _shapes(g: Geometry) -> list[tuple[str, tuple[int, ...], int]]:
             (p + "attn_k.weight", (g.kv_heads * g.head_dim, g.hidden), i),
             (p + "attn_v.weight", (g.kv_heads * g.head_dim, g.hidden), i),
         ]
+        if g.arch == "qwen3":
+            out += [
+                (p + "attn_q_norm.weight", (g.head_dim,), i),
+                (p + "attn_k_norm.weight", (g.head_dim,), i),
+            ]
         if g.arch == "qwen2":
             out += [
                 (p + "attn_q.bias", (g.heads * g.head_dim,), i),
@@ -94,7 +106,7 @@ def _shapes(g: Geometry) -> list[tuple[str, tuple[int, ...], int]]:
                 (p + "attn_v.bias", (g.kv_heads * g.head_dim,), i),
             ]
         out += [
-            (p + "attn_output.weight", (g.hidden, g.hidden), i),
+            (p + "attn_output.weight", (g.hidden, g.heads * g.head_dim), i),
             (p + "ffn_norm.weight", (g.hidden,), i),
             (p + "ffn_gate.weight", (g.ffn, g.hidden), i),
             (p + "ffn_up.weight", (g.ffn, g.hidden), i),
@@ -142,17 +154,20 @@ def _data(name: str, shape: tuple[int, ...], qtype: str, g: Geometry, rng) -> np
     return random_blocks(qtype, shape[0], shape[1], rng, scale=WEIGHT_SCALE)
 
 
-def write(preset: str, mix: str, path: Path, *, seed: int = 0, progress: bool = True) -> Path:
-    """Write ``preset`` quantized as ``mix`` to ``path``; returns the path."""
+def write(
+    preset: str | Geometry, mix: str, path: Path, *, seed: int = 0, progress: bool = True
+) -> Path:
+    """Write ``preset`` (a name in ``PRESETS``, or a geometry) quantized as ``mix`` to
+    ``path``; returns the path."""
     import gguf
 
-    g = PRESETS[preset]
+    g = PRESETS[preset] if isinstance(preset, str) else preset
     if mix not in MIXES:
         raise ValueError(f"unknown mix {mix!r}; choose from {', '.join(MIXES)}")
     rng = np.random.default_rng(seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(path), g.arch)
-    writer.add_name(f"{preset} (random weights, {mix})")
+    writer.add_name(f"{preset if isinstance(preset, str) else g.arch} (random weights, {mix})")
     writer.add_file_type(FILE_TYPES[mix])
     writer.add_context_length(g.context)
     writer.add_embedding_length(g.hidden)
@@ -161,6 +176,9 @@ def write(preset: str, mix: str, path: Path, *, seed: int = 0, progress: bool = 
     writer.add_head_count(g.heads)
     writer.add_head_count_kv(g.kv_heads)
     writer.add_rope_dimension_count(g.head_dim)
+    if g.key_length:
+        writer.add_key_length(g.head_dim)
+        writer.add_value_length(g.head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(g.rope_theta)
     writer.add_vocab_size(g.vocab)

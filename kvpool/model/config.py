@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from kvpool.cache import ModelGeometry
 from kvpool.formats.gguf_header import GGUFHeader
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 class UnsupportedModel(ValueError):
@@ -30,6 +30,7 @@ class ModelConfig:
     context_length: int
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v biases (qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of Q and K before the rotation (qwen3)
 
     @property
     def q_size(self) -> int:
@@ -59,6 +60,8 @@ class ModelConfig:
         if isinstance(kv_heads, list):
             raise UnsupportedModel("per-layer KV head counts are not supported")
         head_dim = int(header.arch_value("attention.key_length", hidden // heads))
+        if int(header.arch_value("attention.value_length", head_dim)) != head_dim:
+            raise UnsupportedModel("value heads of another width than key heads are not supported")
         tokens = header.metadata.get("tokenizer.ggml.tokens")
         vocab = int(header.arch_value("vocab_size", len(tokens) if tokens else 0))
         if not vocab:
@@ -79,4 +82,5 @@ class ModelConfig:
             context_length=int(header.arch_value("context_length", 4096)),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
         )

@@ -1,4 +1,4 @@
-"""LLaMA-family decoder (llama, qwen2) over a paged KV store.
+"""LLaMA-family decoder (llama, qwen2, qwen3) over a paged KV store.
 
 One forward pass takes a flat batch of tokens from several sequences (a prefill chunk of
 one, a single decode token of another) and their ``AttentionBatch``: where each new
@@ -68,6 +68,8 @@ class _Layer:
     ffn_norm: torch.Tensor
     gate_up: Linear | QuantLinear  # [2 inter, hidden], fused
     down: Linear | QuantLinear
+    q_norm: torch.Tensor | None = None  # [head_dim]: each Q head's RMSNorm (qwen3)
+    k_norm: torch.Tensor | None = None  # [head_dim]: each K head's
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -153,6 +155,8 @@ class LlamaModel:
                     ffn_norm=w(p + "ffn_norm.weight"),
                     gate_up=linear([p + "ffn_gate.weight", p + "ffn_up.weight"]),
                     down=linear([p + "ffn_down.weight"]),
+                    q_norm=w(p + "attn_q_norm.weight") if config.qk_norm else None,
+                    k_norm=w(p + "attn_k_norm.weight") if config.qk_norm else None,
                 )
             )
         d = config.head_dim
@@ -205,6 +209,8 @@ class LlamaModel:
         for layer in self.layers:
             n += layer.attn_norm.numel() + layer.ffn_norm.numel()
             n += sum(lin.numel() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            if layer.q_norm is not None and layer.k_norm is not None:
+                n += layer.q_norm.numel() + layer.k_norm.numel()
         return n
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,6 +278,8 @@ class LlamaModel:
         x, h = self._add_norm(x, None, self.layers[0].attn_norm)
         for i, layer in enumerate(self.layers):
             qkv = self._heavy(layer.qkv, h)
+            if layer.q_norm is not None:
+                qkv = self._qk_norm(qkv, layer)
             if fused is not None:
                 q = fused.rope_write_kv(qkv, cos, sin_signed, kv.layers[i], batch.slot_mapping, nh)
             else:
@@ -304,7 +312,9 @@ class LlamaModel:
                 stack = ops.DecodeLayers(cfg.num_heads, cfg.rms_norm_eps, cfg.head_dim**-0.5)
                 for layer, ps in zip(self.layers, products, strict=True):
                     parts = [(p.raws, p.types, p.bias) for p in ps]  # type: ignore[union-attr]
-                    stack.add_layer(layer.attn_norm, layer.ffn_norm, parts)
+                    stack.add_layer(
+                        layer.attn_norm, layer.ffn_norm, parts, layer.q_norm, layer.k_norm
+                    )
                 self._decode_layers = stack
         return self._decode_layers or None
 
@@ -318,6 +328,24 @@ class LlamaModel:
             return fused.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def _qk_norm(self, qkv: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        """``[q | k | v]`` rows with each Q head and each K head RMS-normed over the head
+        dimension by the layer's weights (qwen3: after the product, before the rotation).
+        In bfloat16 with the native ops, one pass (``head_rms_norm``, the row kernels'
+        norm); in float32, the reference dtype, torch's norm, as ``_add_norm`` keeps it."""
+        cfg = self.config
+        fused = self.native_fused
+        assert layer.q_norm is not None and layer.k_norm is not None
+        if fused is not None and self.dtype == torch.bfloat16:
+            return fused.head_rms_norm(
+                qkv, layer.q_norm, layer.k_norm, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+            )
+        t, d, eps = qkv.shape[0], cfg.head_dim, cfg.rms_norm_eps
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = _rms_norm(q.reshape(t, cfg.num_heads, d), layer.q_norm, eps).reshape(t, -1)
+        k = _rms_norm(k.reshape(t, cfg.num_kv_heads, d), layer.k_norm, eps).reshape(t, -1)
+        return torch.cat([q, k, v], dim=-1)
 
     def _add_norm(
         self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor

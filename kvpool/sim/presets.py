@@ -57,6 +57,8 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ModelSpec("llama-3.1-70b", 80, 8, 128, 70_553_706_496, 131072),
         ModelSpec("mistral-7b", 32, 8, 128, 7_241_732_096, 32768),
         ModelSpec("qwen2.5-7b", 28, 4, 128, 7_615_616_512, 32768),
+        ModelSpec("qwen3-0.6b", 28, 8, 128, 596_049_920, 40960),
+        ModelSpec("qwen3-8b", 36, 8, 128, 8_190_735_360, 40960),
         ModelSpec("smollm2-135m", 30, 3, 64, 134_515_008, 8192),
     )
 }

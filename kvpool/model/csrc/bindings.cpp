@@ -25,6 +25,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rotary embedding of Q and K, K and V written to the store's slots; returns Q",
         py::arg("qkv"), py::arg("cos"), py::arg("sin_signed"), py::arg("layer_kv"),
         py::arg("slots"), py::arg("num_heads"), py::arg("variant") = "");
+  m.def("head_rms_norm", &head_rms_norm,
+        "qkv rows with each Q head normed by q_weight and each K head by k_weight (RMSNorm "
+        "over head_dim, as qwen3's), V as it was; a new tensor", py::arg("qkv"),
+        py::arg("q_weight"), py::arg("k_weight"), py::arg("num_heads"), py::arg("num_kv_heads"),
+        py::arg("eps"), py::arg("variant") = "");
   m.def("silu_mul", &silu_mul,
         "silu(gate) * up of each row [gate | up], rounded where torch's F.silu(gate) * up "
         "rounds (exp: the kernels' own, within 2 float32 ulps)", py::arg("gate_up"),
@@ -54,15 +59,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "add_layer",
           [](kvp::DecodeLayers& self, const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
-             const std::vector<Product>& products) {
+             const std::vector<Product>& products, const c10::optional<at::Tensor>& q_norm,
+             const c10::optional<at::Tensor>& k_norm) {
             std::vector<kvp::LayerProduct> ps;
             for (const auto& [parts, types, bias] : products)
               ps.push_back({parts, types, bias.has_value() ? *bias : at::Tensor()});
-            self.add_layer(attn_norm, ffn_norm, std::move(ps));
+            self.add_layer(attn_norm, ffn_norm, std::move(ps), q_norm.value_or(at::Tensor()),
+                           k_norm.value_or(at::Tensor()));
           },
-          "a layer: its norms' weights and its products qkv, o, gate_up, down, each "
-          "(parts, types, bias or None)",
-          py::arg("attn_norm"), py::arg("ffn_norm"), py::arg("products"))
+          "a layer: its norms' weights, its products qkv, o, gate_up, down, each "
+          "(parts, types, bias or None), and its per-head Q/K norms' weights (qwen3) or None",
+          py::arg("attn_norm"), py::arg("ffn_norm"), py::arg("products"),
+          py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none())
       .def("run", &kvp::DecodeLayers::run,
            "every layer of a decode step; x (updated in place) -> the residual after the last",
            py::arg("x"), py::arg("cos"), py::arg("sin_signed"), py::arg("slots"),

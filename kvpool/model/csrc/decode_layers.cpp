@@ -30,12 +30,14 @@ auto on_threads(int64_t threads, F&& f) {
 }  // namespace
 
 void DecodeLayers::add_layer(const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
-                             std::vector<LayerProduct> products) {
+                             std::vector<LayerProduct> products, const at::Tensor& q_norm,
+                             const at::Tensor& k_norm) {
   TORCH_CHECK(products.size() == 4, "a layer's products: qkv, o, gate_up, down");
   for (const auto& p : products)
     TORCH_CHECK(!p.parts.empty() && p.parts.size() == p.types.size(), "one type per part");
-  layers_.push_back({attn_norm, ffn_norm, std::move(products[0]), std::move(products[1]),
-                     std::move(products[2]), std::move(products[3])});
+  TORCH_CHECK(q_norm.defined() == k_norm.defined(), "q_norm and k_norm: both or neither");
+  layers_.push_back({attn_norm, ffn_norm, q_norm, k_norm, std::move(products[0]),
+                     std::move(products[1]), std::move(products[2]), std::move(products[3])});
 }
 
 at::Tensor DecodeLayers::run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin_signed,
@@ -59,8 +61,13 @@ at::Tensor DecodeLayers::run(at::Tensor x, const at::Tensor& cos, const at::Tens
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& layer = layers_[i];
     at::Tensor layer_kv = kv_layers[i];
-    const at::Tensor q = rope_write_kv(product(layer.qkv, h), cos, sin_signed, layer_kv, slots,
-                                       num_heads_, row_kernels);
+    at::Tensor qkv = product(layer.qkv, h);
+    if (layer.q_norm.defined()) {
+      const int64_t kv_heads = layer_kv.size(0) / 2;
+      qkv = head_rms_norm(qkv, layer.q_norm, layer.k_norm, num_heads_, kv_heads, eps_, row_kernels);
+    }
+    const at::Tensor q =
+        rope_write_kv(qkv, cos, sin_signed, layer_kv, slots, num_heads_, row_kernels);
     const at::Tensor out = on_threads(heavy_attention ? heavy_threads : 0, [&] {
       if (query_start.has_value())
         return paged_attention(q, layer_kv, block_tables, context_lens, *query_start, block_size,

@@ -29,8 +29,11 @@ class DecodeLayers {
   DecodeLayers(int64_t num_heads, double eps, double scale)
       : num_heads_(num_heads), eps_(eps), scale_(scale) {}
 
+  // products: qkv, o, gate_up, down. q_norm, k_norm: per-head RMSNorm weights applied to
+  // Q and K after the qkv product (qwen3), or both undefined.
   void add_layer(const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
-                 std::vector<LayerProduct> products);  // qkv, o, gate_up, down
+                 std::vector<LayerProduct> products, const at::Tensor& q_norm = at::Tensor(),
+                 const at::Tensor& k_norm = at::Tensor());
 
   // x [B, hidden] bf16: the step's embedded tokens (its own tensor: updated in place).
   // Returns the residual stream after the last layer ([B, hidden]). mode: quant_matmul's;
@@ -50,7 +53,7 @@ class DecodeLayers {
 
  private:
   struct Layer {
-    at::Tensor attn_norm, ffn_norm;
+    at::Tensor attn_norm, ffn_norm, q_norm, k_norm;
     LayerProduct qkv, o, gate_up, down;
   };
   int64_t num_heads_;

@@ -216,6 +216,37 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
   return q;
 }
 
+at::Tensor head_rms_norm(const at::Tensor& qkv, const at::Tensor& q_weight,
+                         const at::Tensor& k_weight, int64_t num_heads, int64_t num_kv_heads,
+                         double eps, const std::string& variant) {
+  check_rows(qkv, "qkv");
+  const int64_t dim = q_weight.numel();
+  for (const auto* w : {&q_weight, &k_weight})
+    TORCH_CHECK(w->dim() == 1 && w->size(0) == dim && w->is_contiguous() &&
+                w->scalar_type() == qkv.scalar_type(), "q_weight, k_weight: [head_dim] of qkv's dtype");
+  const int64_t width = qkv.size(1), heads = num_heads + num_kv_heads;
+  TORCH_CHECK(dim > 0 && width == (heads + num_kv_heads) * dim,
+              "qkv: [tokens, (num_heads + 2 * num_kv_heads) * head_dim]");
+  const auto* k = kvp::variant(variant).rows;
+  auto out = at::empty_like(qkv);
+  const int64_t size = qkv.element_size();
+  auto* in = static_cast<uint8_t*>(qkv.data_ptr());  // read only: add_rms_norm without y
+  auto* op = static_cast<uint8_t*>(out.data_ptr());
+  const bool bf16 = qkv.scalar_type() == at::kBFloat16;
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, qkv.size(0), 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      uint8_t* row = in + t * width * size;
+      uint8_t* dst = op + t * width * size;
+      k->add_rms_norm(bf16, row, nullptr, q_weight.data_ptr(), num_heads, dim, e, dst);
+      k->add_rms_norm(bf16, row + num_heads * dim * size, nullptr, k_weight.data_ptr(),
+                      num_kv_heads, dim, e, dst + num_heads * dim * size);
+      std::memcpy(dst + heads * dim * size, row + heads * dim * size, num_kv_heads * dim * size);
+    }
+  });
+  return out;
+}
+
 at::Tensor silu_mul(const at::Tensor& gate_up, const std::string& variant) {
   check_rows(gate_up, "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: [rows, 2 * n] (gate, then up)");

@@ -21,6 +21,9 @@ at::Tensor add_rms_norm_(at::Tensor& x, const c10::optional<at::Tensor>& y, cons
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,
                          at::Tensor& layer_kv, const at::Tensor& slots, int64_t num_heads,
                          const std::string& variant);
+at::Tensor head_rms_norm(const at::Tensor& qkv, const at::Tensor& q_weight,
+                         const at::Tensor& k_weight, int64_t num_heads, int64_t num_kv_heads,
+                         double eps, const std::string& variant);
 at::Tensor silu_mul(const at::Tensor& gate_up, const std::string& variant);
 at::Tensor argmax_rows(const at::Tensor& x);
 std::vector<std::string> kernel_variants();
