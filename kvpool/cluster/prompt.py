@@ -2,8 +2,8 @@
 
 The router matches a request's leading blocks against what each replica caches, so the
 ingress tokenizes with the model's own tokenizer and chat template, through the same
-functions the replica's API routes use (``ollama_api.generate_prompt``,
-``tools.prepare``, ``openai_api.completion_prompt``, ``responses_api.prompt``,
+functions the replica's API routes use (``ollama_api.generate_prompt`` and
+``chat_prompt``, ``openai_api.chat_prompt`` and ``completion_prompt``, ``responses_api.prompt``,
 ``anthropic_api.prompt``): the keys it computes are the keys the replica's block manager
 will find. No weights are loaded here, only the GGUF's header.
 
@@ -19,7 +19,7 @@ from typing import Any
 
 from kvpool.formats.gguf_header import read_gguf_header
 from kvpool.model.tokenizer import Tokenizer
-from kvpool.server import anthropic_api, ollama_api, openai_api, responses_api, tools
+from kvpool.server import anthropic_api, ollama_api, openai_api, responses_api
 
 
 class PromptReader:
@@ -73,13 +73,10 @@ class PromptReader:
                 return ollama_api.generate_prompt(self, gen) if gen.prompt else None
             if path == "/api/chat":
                 chat = ollama_api.ChatBody.model_validate(data)
-                messages = [ollama_api.template_message(m) for m in chat.messages]
-                return tools.prepare(self, messages, chat.tools, None)[0] if messages else None
+                return ollama_api.chat_prompt(self, chat)[0] if chat.messages else None
             if path == "/v1/chat/completions":
                 oai = openai_api.ChatBody.model_validate(data)
-                messages = [openai_api.template_message(m) for m in oai.messages]
-                choice = oai.tool_choice
-                return tools.prepare(self, messages, oai.tools, choice)[0] if messages else None
+                return openai_api.chat_prompt(self, oai)[0] if oai.messages else None
             if path == "/v1/completions":
                 comp = openai_api.CompletionBody.model_validate(data)
                 return openai_api.completion_prompt(self, comp)[1]

@@ -6,11 +6,12 @@ completions.
 
 A request's ``system`` (a string or text blocks) and ``messages`` (text, ``tool_use`` and
 ``tool_result`` blocks, ``system`` turns within the conversation; ``thinking`` blocks
-sent back are skipped) become chat messages;
+sent back are the turn's reasoning, ``redacted_thinking`` ones skipped) become chat messages;
 a last ``assistant`` message is the start of the reply (a prefill), which the model
 continues. Custom ``tools`` (``input_schema``), ``tool_choice`` (auto, any, tool, none)
 and ``output_config.format`` (a JSON schema) map to their chat forms. The reply holds a
-``text`` block and a ``tool_use`` block per call; ``stop_reason`` is ``end_turn``,
+``text`` block and a ``tool_use`` block per call, after a ``thinking`` block where a thinking
+model (Qwen3) reasoned first; ``stop_reason`` is ``end_turn``,
 ``max_tokens``, ``stop_sequence`` (``stop_sequence`` says which), ``tool_use`` or
 ``model_context_window_exceeded`` (the context filled before ``max_tokens``).
 
@@ -22,8 +23,11 @@ caches every prompt's full blocks unasked, so ``cache_control`` marks are accept
 need nothing, and ``cache_creation_input_tokens`` is 0. A stream sends Anthropic's
 events, a ``ping`` every ``PING_SECONDS`` while nothing else goes (a long prompt being
 computed), and ends in an ``error`` event if the request fails once started. Not
-supported (400): image and document blocks, server tools. ``thinking`` is accepted and
-ignored (kvpool's models do not think), as ``metadata`` and ``cache_control`` are.
+supported (400): image and document blocks, server tools. ``thinking`` switches a thinking
+model's reasoning on (``enabled``, ``adaptive``) or off (``disabled``): a model that does
+not think ignores it (Claude Code sends it to every model); ``budget_tokens`` and its
+signature are not kept (``signature`` is empty). ``metadata`` and ``cache_control`` are
+accepted and need nothing.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvpool.server import tools
+from kvpool.server import reasoning, tools
 from kvpool.server.errors import anthropic_stream_error, bad_request, read_json, stream_error
 from kvpool.server.formats import anthropic_output_format, constrained
 from kvpool.server.generation import Generation, Outcome, Sample
@@ -113,7 +117,7 @@ def _texts(content: Any, where: str) -> str:
 def _assistant_turn(blocks: list[Any], where: str) -> dict[str, Any]:
     """An assistant message: its text, and its ``tool_use`` blocks as the turn's calls
     (``tools.message_calls``' form)."""
-    text, calls = [], []
+    text, calls, thinking = [], [], []
     for i, block in enumerate(blocks):
         at = f"{where}.content[{i}]"
         kind = block.get("type") if isinstance(block, dict) else None
@@ -124,8 +128,10 @@ def _assistant_turn(blocks: list[Any], where: str) -> dict[str, Any]:
             if not isinstance(name, str) or not isinstance(arguments, dict):
                 raise bad_request(f"{at}: a tool_use block needs a name and an input object")
             calls.append({"name": name, "arguments": arguments})
-        elif kind in ("thinking", "redacted_thinking"):
-            continue  # another model's reasoning, sent back by a client: nothing to render
+        elif kind == "thinking":
+            thinking.append(str(block.get("thinking") or ""))  # the template decides
+        elif kind == "redacted_thinking":
+            continue  # another model's encrypted reasoning: nothing to render
         else:
             raise bad_request(
                 f"{at}: block type {kind!r} is not supported in an assistant message "
@@ -134,6 +140,8 @@ def _assistant_turn(blocks: list[Any], where: str) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
     if calls:
         message["tool_calls"] = calls
+    if any(thinking):
+        message["reasoning_content"] = "".join(thinking)
     return message
 
 
@@ -245,7 +253,22 @@ def prompt(model: Any, body: MessagesBody) -> tuple[list[int], tools.ToolPlan]:
     tokenizes through this too, to route by prefix)."""
     messages, prefill = conversation(body)
     choice = chat_tool_choice(body.tool_choice)
-    return tools.prepare(model, messages, chat_tools(body.tools), choice, prefill)
+    extra = reasoning.template_kwargs(model, _think(model, body.thinking))
+    return tools.prepare(model, messages, chat_tools(body.tools), choice, prefill, extra)
+
+
+def _think(model: Any, thinking: dict[str, Any] | None) -> bool | None:
+    """The request's ``thinking`` as the template's switch: ``disabled`` is off;
+    ``enabled`` / ``adaptive`` are on for a model that thinks, its default for one that
+    does not (no 400: Claude Code asks every model to think)."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise bad_request("thinking.type: enabled, adaptive or disabled")
+    if kind == "disabled":
+        return False
+    return True if reasoning.thinks(model.chat_template) else None
 
 
 # -- reply ------------------------------------------------------------------------------
@@ -301,6 +324,7 @@ class _Reply:
     model: Any
     plan: tools.ToolPlan
     max_tokens: int  # as asked (the context may allow fewer)
+    thoughts: reasoning.ThinkSplit | None = None  # a thinking model's (used once)
     mid: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex[:24]}")
 
     def message(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
@@ -321,11 +345,15 @@ class _Reply:
         return "end_turn", None
 
     def finish(self, out: Outcome) -> dict[str, Any]:
-        """The whole reply: a text block where there is text or no call, then a
-        ``tool_use`` block per call."""
+        """The whole reply: a thinking block where the model reasoned, a text block where
+        there is text or no call, then a ``tool_use`` block per call."""
         sample = out.samples[0]
-        text, calls = self.plan.split(sample.text)
-        content = [{"type": "text", "text": text}] if text or not calls else []
+        thinking, text = "", sample.text
+        if self.thoughts is not None:
+            thinking, text = self.thoughts.whole(text)
+        text, calls = self.plan.split(text)
+        content = [_thinking(thinking)] if thinking else []
+        content += [{"type": "text", "text": text}] if text or not calls else []
         content += [_tool_use(c) for c in calls]
         return self.message(content, self.stop(sample, calls), _usage(out))
 
@@ -339,35 +367,57 @@ class _Reply:
                        "output_tokens": 0}  # fmt: skip
         yield {"type": "message_start", "message": self.message([], (None, None), start_usage)}
         yield {"type": "ping"}
-        split, open_text = self.plan.stream(), False
+        split, thoughts = self.plan.stream(), self.thoughts
+        block, index, content = "", -1, []  # the open block's type and index; the text
+
+        def close() -> list[dict[str, Any]]:  # the open block's last events
+            end = [{"type": "content_block_stop", "index": index}]
+            if block == "thinking":
+                end.insert(0, {"type": "content_block_delta", "index": index,
+                               "delta": {"type": "signature_delta", "signature": ""}})  # fmt: skip
+            return end if block else []
+
         async for delta in with_pings(generation.deltas(), PING_SECONDS):
             if delta is None:
                 yield {"type": "ping"}
                 continue
-            piece = split.feed(delta.text) if split is not None else delta.text
+            thinking, text = "", delta.text
+            if thoughts is not None:
+                thinking, text = thoughts.feed(text)
+                if delta.finish_reason:
+                    more_thinking, more = thoughts.finish()
+                    thinking, text = thinking + more_thinking, text + more
+            content.append(text)
+            piece = split.feed(text) if split is not None else text
             if delta.finish_reason and split is not None:
                 piece += split.finish()[0]
-            if piece:
-                if not open_text:
-                    open_text = True
-                    yield _block_start(0, {"type": "text", "text": ""})
-                yield {"type": "content_block_delta", "index": 0,
-                       "delta": {"type": "text_delta", "text": piece}}  # fmt: skip
+            for kind, part in (("thinking", thinking), ("text", piece)):
+                if not part:
+                    continue
+                if block != kind:  # reasoning comes first: a block never opens twice
+                    for event in close():
+                        yield event
+                    block, index = kind, index + 1
+                    yield _block_start(index, _thinking("") if kind == "thinking"
+                                       else {"type": "text", "text": ""})  # fmt: skip
+                yield {"type": "content_block_delta", "index": index,
+                       "delta": {"type": f"{kind}_delta", kind: part}}  # fmt: skip
         out = generation.outcome
         sample = out.samples[0]
-        calls = self.plan.split(sample.text)[1]
-        index = 0
-        if open_text or not calls:
-            if not open_text:
-                yield _block_start(0, {"type": "text", "text": ""})
-            yield {"type": "content_block_stop", "index": 0}
-            index = 1
+        calls = self.plan.split("".join(content))[1]
+        for event in close():
+            yield event
+        if block != "text" and not calls:  # an empty reply still has its text block
+            index += 1
+            yield _block_start(index, {"type": "text", "text": ""})
+            yield {"type": "content_block_stop", "index": index}
+        index += 1
         for call in calls:
-            block = _tool_use(call)
-            yield _block_start(index, {**block, "input": {}})
+            use = _tool_use(call)
+            yield _block_start(index, {**use, "input": {}})
             yield {"type": "content_block_delta", "index": index,
                    "delta": {"type": "input_json_delta",
-                             "partial_json": json.dumps(block["input"])}}  # fmt: skip
+                             "partial_json": json.dumps(use["input"])}}  # fmt: skip
             yield {"type": "content_block_stop", "index": index}
             index += 1
         reason, sequence = self.stop(sample, calls)
@@ -388,6 +438,10 @@ class _Reply:
                 yield anthropic_stream_error(status, message, kind)
 
         return StreamingResponse(frames(), media_type="text/event-stream")
+
+
+def _thinking(text: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def _block_start(index: int, block: dict[str, Any]) -> dict[str, Any]:
@@ -411,7 +465,7 @@ async def create_message(http: Request, state: State) -> Any:
     generation = await Generation.start(
         model, http, ids, params, tenant_of(http), state.metrics, "anthropic"
     )
-    reply = _Reply(model, plan, body.max_tokens)
+    reply = _Reply(model, plan, body.max_tokens, reasoning.splitter(model, ids))
     if body.stream:
         return reply.sse(generation)
     return reply.finish(await generation.run())

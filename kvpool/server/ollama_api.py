@@ -20,7 +20,7 @@ from fastapi.responses import HTMLResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from kvpool import __version__
-from kvpool.server import logprobs, tools
+from kvpool.server import logprobs, reasoning, tools
 from kvpool.server.dashboard_api import wants_html
 from kvpool.server.errors import APIError, bad_request, read_json, stream_error
 from kvpool.server.formats import constrained, ollama_format
@@ -53,11 +53,13 @@ class GenerateBody(_Body):
     keep_alive: str | int | float | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    think: bool | str | None = None  # a thinking model thinks (None: its default)
 
 
 class Message(_Body):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
+    thinking: str | None = None  # an assistant turn's reasoning, as a reply gave it
     images: list[str] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
     tool_name: str | None = None  # a tool turn: which tool answered
@@ -73,6 +75,16 @@ class ChatBody(_Body):
     keep_alive: str | int | float | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    think: bool | str | None = None
+
+
+def _think(value: bool | str | None) -> bool | None:
+    """Ollama's ``think``: a boolean, or an effort (``low``/``medium``/``high``: on)."""
+    if isinstance(value, str):
+        if value not in ("low", "medium", "high"):
+            raise bad_request(f"think {value!r}: true, false, low, medium or high")
+        return True
+    return value
 
 
 class ShowBody(_Body):
@@ -104,12 +116,22 @@ def generate_prompt(model: Any, body: GenerateBody) -> list[int]:
         ids = model.encode(body.prompt)
     else:
         messages = [{"role": "system", "content": body.system}] if body.system else []
-        ids = model.encode_chat([*messages, {"role": "user", "content": body.prompt}])
+        extra = reasoning.template_kwargs(model, _think(body.think))
+        ids = model.encode_chat([*messages, {"role": "user", "content": body.prompt}], **extra)
     return model.check_tokens(list(body.context or []), "context") + ids
+
+
+def chat_prompt(model: Any, body: ChatBody) -> tuple[list[int], tools.ToolPlan]:
+    """A chat request's prompt ids (its tools and thinking switch rendered in) and plan."""
+    extra = reasoning.template_kwargs(model, _think(body.think))
+    messages = [template_message(m) for m in body.messages]
+    return tools.prepare(model, messages, body.tools, None, template_extra=extra)
 
 
 def template_message(m: Message) -> dict[str, Any]:
     out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.thinking:
+        out["reasoning_content"] = m.thinking
     if m.tool_calls:
         out["tool_calls"] = tools.message_calls(m.tool_calls)
     return out
@@ -169,23 +191,34 @@ async def generate(http: Request, state: State) -> Any:
     generation = await Generation.start(
         model, http, ids, params, tenant_of(http), state.metrics, "ollama"
     )
+    thoughts = None if body.raw else reasoning.splitter(model, ids)
 
     def piece(text: str) -> dict[str, Any]:
-        return {"model": model.name, "created_at": _now(), "response": text, "done": False}
+        line = {"model": model.name, "created_at": _now(), "response": text, "done": False}
+        if thoughts is not None:
+            thinking, line["response"] = thoughts.feed(text)
+            if thinking:
+                line["thinking"] = thinking
+        return line
 
-    def final(out: Outcome) -> dict[str, Any]:
-        return {
+    def final(out: Outcome, text: str = "") -> dict[str, Any]:  # text: a whole reply's
+        line = {
             "model": model.name,
             "created_at": _now(),
-            "response": "",
+            "response": text,
             **_final_stats(out),
             "context": ids + out.samples[0].token_ids,
         }
+        if thoughts is not None:  # (a stream's splitter has the text already)
+            thinking, line["response"] = thoughts.whole(text)
+            if thinking:
+                line["thinking"] = thinking
+        return line
 
     if body.stream:
         return _ndjson(generation, piece, final, model, asked is not None)
     out = await generation.run()
-    reply = {**final(out), "response": out.samples[0].text}
+    reply = final(out, out.samples[0].text)
     if asked is not None:
         reply["logprobs"] = logprobs.ollama(out.samples[0].logprobs, model.piece)
     return reply
@@ -200,7 +233,7 @@ async def chat(http: Request, state: State) -> Any:
         return {"model": model.name, "created_at": _now(),
                 "message": {"role": "assistant", "content": ""}, "done": True,
                 "done_reason": _load_or_unload(model, state)}  # fmt: skip
-    ids, plan = tools.prepare(model, [template_message(m) for m in body.messages], body.tools, None)
+    ids, plan = chat_prompt(model, body)
     asked = logprobs.requested(body.logprobs, body.top_logprobs, "/api/chat")
     params = ollama_params(body.options, len(ids), model.context_length, asked)
     params = await constrained(params, ollama_format(body.format), model, len(ids))
@@ -209,26 +242,43 @@ async def chat(http: Request, state: State) -> Any:
     )
 
     split = plan.stream()
+    thoughts = reasoning.splitter(model, ids)
 
     def piece(text: str) -> dict[str, Any]:
-        text = split.feed(text) if split is not None else text
-        return {"model": model.name, "created_at": _now(),
-                "message": {"role": "assistant", "content": text}, "done": False}  # fmt: skip
+        message = {"role": "assistant", "content": ""}
+        if thoughts is not None:
+            thinking, text = thoughts.feed(text)
+            if thinking:
+                message["thinking"] = thinking
+        message["content"] = split.feed(text) if split is not None else text
+        return {"model": model.name, "created_at": _now(), "message": message, "done": False}
 
-    def reply(out: Outcome, content: str, calls: list[tools.ToolCall]) -> dict[str, Any]:
+    def reply(
+        out: Outcome, thinking: str, content: str, calls: list[tools.ToolCall]
+    ) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": content}
+        if thinking:
+            message["thinking"] = thinking
         if calls:
             message["tool_calls"] = [c.ollama() for c in calls]
         return {"model": model.name, "created_at": _now(), "message": message,
                 **_final_stats(out)}  # fmt: skip
 
     def final(out: Outcome) -> dict[str, Any]:  # a stream's last line
-        return reply(out, *(split.finish() if split is not None else ("", [])))
+        thinking, rest = thoughts.finish() if thoughts is not None else ("", "")
+        if split is None:
+            return reply(out, thinking, rest, [])
+        content = split.feed(rest)
+        more, calls = split.finish()
+        return reply(out, thinking, content + more, calls)
 
     if body.stream:
         return _ndjson(generation, piece, final, model, asked is not None)
     out = await generation.run()
-    answer = reply(out, *plan.split(out.samples[0].text))
+    text, thinking = out.samples[0].text, ""
+    if thoughts is not None:
+        thinking, text = thoughts.whole(text)
+    answer = reply(out, thinking, *plan.split(text))
     if asked is not None:
         answer["logprobs"] = logprobs.ollama(out.samples[0].logprobs, model.piece)
     return answer
@@ -251,7 +301,8 @@ async def show(http: Request, state: State) -> Any:
         "template": model.chat_template,
         "details": model.details(),
         "model_info": model.info,
-        "capabilities": ["completion"],
+        "capabilities": ["completion", "tools"]
+        + (["thinking"] if reasoning.thinks(model.chat_template) else []),
         "modified_at": model.modified_at.isoformat(),
     }
 

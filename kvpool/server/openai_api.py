@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from kvpool.server import logprobs, tools
+from kvpool.server import logprobs, reasoning, tools
 from kvpool.server.errors import APIError, bad_request, read_json, stream_error
 from kvpool.server.formats import constrained, openai_response_format
 from kvpool.server.generation import Generation, Outcome
@@ -61,6 +61,7 @@ class ChatMessage(_Body):
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
+    reasoning_content: str | None = None  # an assistant turn's reasoning, as replies give it
 
 
 class ChatBody(_Common):
@@ -69,6 +70,8 @@ class ChatBody(_Common):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: enable_thinking is read
+    reasoning_effort: str | None = None
 
 
 class CompletionBody(_Common):
@@ -85,7 +88,16 @@ def template_message(m: ChatMessage) -> dict[str, Any]:
     }
     if m.tool_calls:
         out["tool_calls"] = tools.message_calls(m.tool_calls)
+    if m.reasoning_content:
+        out["reasoning_content"] = m.reasoning_content
     return out
+
+
+def chat_prompt(model: Any, body: ChatBody) -> tuple[list[int], tools.ToolPlan]:
+    """A chat request's prompt ids (its tools and thinking switch rendered in) and plan."""
+    extra = reasoning.template_kwargs(model, reasoning.openai_think(body))
+    messages = [template_message(m) for m in body.messages]
+    return tools.prepare(model, messages, body.tools, body.tool_choice, template_extra=extra)
 
 
 def completion_prompt(model: Any, body: CompletionBody) -> tuple[str | list[int], list[int]]:
@@ -100,16 +112,22 @@ def completion_prompt(model: Any, body: CompletionBody) -> tuple[str | list[int]
     return prompt, model.check_tokens(list(prompt), "prompt")
 
 
-def _chat_choice(text: str, reason: str | None, plan: tools.ToolPlan) -> dict[str, Any]:
-    """A whole reply's message and finish reason, its tool calls parsed out."""
+def _chat_choice(
+    text: str, reason: str | None, plan: tools.ToolPlan, thoughts: reasoning.ThinkSplit | None
+) -> dict[str, Any]:
+    """A whole reply's message and finish reason, its reasoning (a thinking model's) and
+    its tool calls parsed out."""
+    thinking = ""
+    if thoughts is not None:
+        thinking, text = thoughts.whole(text)
     content, calls = plan.split(text)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if thinking:
+        message["reasoning_content"] = thinking
     if not calls:
-        return {"message": {"role": "assistant", "content": text}, "finish_reason": reason}
-    message = {
-        "role": "assistant",
-        "content": content or None,
-        "tool_calls": [c.openai() for c in calls],
-    }
+        return {"message": message, "finish_reason": reason}
+    message["content"] = content or None
+    message["tool_calls"] = [c.openai() for c in calls]
     return {"message": message, "finish_reason": "tool_calls"}
 
 
@@ -179,9 +197,7 @@ async def chat_completions(http: Request, state: State) -> Any:
     fmt = openai_response_format(body.response_format)
     if not body.messages:
         raise bad_request("messages must not be empty")
-    ids, plan = tools.prepare(
-        model, [template_message(m) for m in body.messages], body.tools, body.tool_choice
-    )
+    ids, plan = chat_prompt(model, body)
     if plan.forced is not None:
         if fmt is not None:
             raise bad_request("response_format cannot be combined with a forced tool_choice")
@@ -200,13 +216,21 @@ async def chat_completions(http: Request, state: State) -> Any:
         async def chunks() -> AsyncIterator[dict[str, Any]]:
             base = {**head, "object": "chat.completion.chunk"}
             splits = [plan.stream() for _ in range(params.n)]
+            thoughts = [reasoning.splitter(model, ids) for _ in range(params.n)]
             for i in range(params.n):
                 yield {**base, "choices": [{"index": i, "finish_reason": None,
                        "delta": {"role": "assistant", "content": ""}}]}  # fmt: skip
             async for delta in generation.deltas():
                 if delta.text or delta.finish_reason or (want_logprobs and delta.logprobs):
                     text, reason, message = delta.text, _reason(delta.finish_reason), {}
-                    split = splits[delta.index]
+                    split, thought = splits[delta.index], thoughts[delta.index]
+                    if thought is not None:
+                        thinking, text = thought.feed(text)
+                        if delta.finish_reason:
+                            more_thinking, more = thought.finish()
+                            thinking, text = thinking + more_thinking, text + more
+                        if thinking:
+                            message["reasoning_content"] = thinking
                     if split is not None:
                         text = split.feed(text)
                         if delta.finish_reason:
@@ -237,7 +261,9 @@ async def chat_completions(http: Request, state: State) -> Any:
         "choices": [
             {
                 "index": i,
-                **_chat_choice(s.text, _reason(s.finish_reason), plan),
+                **_chat_choice(
+                    s.text, _reason(s.finish_reason), plan, reasoning.splitter(model, ids)
+                ),
                 "logprobs": logprobs.openai_chat(s.logprobs, model.piece)
                 if want_logprobs
                 else None,

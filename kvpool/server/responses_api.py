@@ -17,8 +17,13 @@ the tokens it already holds (``response_store``: the last 1,024, in memory; a te
 sees only its own). ``namespace`` tools' functions are offered as ``namespace.name``
 (their calls name both apart); tools OpenAI's servers run (web search, ...) and
 freeform ``custom`` tools are left out of the prompt. Not supported (400): non-text
-content, ``item_reference`` items, ``background``. Reasoning items sent back by clients
-are skipped (kvpool's models make none).
+content, ``item_reference`` items, ``background``.
+
+A thinking model's (Qwen3) reasoning is a ``reasoning`` item before the message (its
+``reasoning_text`` content; streamed as ``response.reasoning_text.delta``); sent back,
+a reasoning item's text is the next assistant turn's reasoning, as the template renders
+it. ``reasoning.effort`` ``none`` switches it off, any other effort on (for a model that
+does not think, its default: Codex sends an effort to every model).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from kvpool.engine.sampling import SamplingParams
-from kvpool.server import logprobs, tools
+from kvpool.server import logprobs, reasoning, tools
 from kvpool.server.errors import bad_request, read_json, stream_error
 from kvpool.server.formats import constrained, openai_response_format
 from kvpool.server.generation import Generation, Outcome
@@ -67,6 +72,7 @@ class ResponsesBody(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     # the extensions the chat route takes too (vLLM's, and ignore_eos for benchmarks)
     top_k: int | None = None
@@ -104,6 +110,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
+    thought = ""  # a reasoning item's text, for the assistant turn that follows it
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message")
@@ -113,6 +120,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 raise bad_request(f"{where}: role must be user, system, developer or assistant")
             role = "system" if role == "developer" else role
             messages.append({"role": role, "content": _text(item.get("content"), where)})
+            if role == "assistant" and thought:
+                messages[-1]["reasoning_content"], thought = thought, ""
         elif kind == "function_call":
             name, arguments = item.get("name"), item.get("arguments", "{}")
             if not isinstance(name, str) or not isinstance(arguments, str):
@@ -124,12 +133,15 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": ""}
                 messages.append(last)
+            if thought:
+                last["reasoning_content"], thought = thought, ""
             last.setdefault("tool_calls", []).extend(call)
         elif kind == "function_call_output":
             output = _text(item.get("output", ""), where)
             messages.append({"role": "tool", "content": output})
-        elif kind == "reasoning":
-            continue  # another model's reasoning, sent back by an agent: nothing to render
+        elif kind == "reasoning":  # its text, where it has some (encrypted: nothing)
+            parts = item.get("content") if isinstance(item.get("content"), list) else []
+            thought += "".join(p.get("text", "") for p in parts if isinstance(p, dict))
         else:
             raise bad_request(
                 f"{where}: item type {kind!r} is not supported (message, function_call, "
@@ -195,7 +207,20 @@ def prompt(
     stateless requests through this too, to route them by prefix)."""
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     choice = chat_tool_choice(body.tool_choice)
-    return tools.prepare(model, [*system, *history, *own], chat_tools(body.tools), choice)
+    extra = reasoning.template_kwargs(model, _think(model, body.reasoning))
+    messages = [*system, *history, *own]
+    return tools.prepare(model, messages, chat_tools(body.tools), choice, template_extra=extra)
+
+
+def _think(model: Any, asked: dict[str, Any] | None) -> bool | None:
+    """``reasoning.effort`` as the template's switch: ``none`` is off; any other effort
+    is on for a model that thinks, its default for one that does not."""
+    effort = (asked or {}).get("effort")
+    if effort is None:
+        return None
+    if effort == "none":
+        return False
+    return True if reasoning.thinks(model.chat_template) else None
 
 
 def new_response_id(tag: str) -> str:
@@ -274,9 +299,16 @@ def _call_item(call: tools.ToolCall, namespaces: frozenset[str]) -> dict[str, An
     return item
 
 
-def _reply_message(content: str, calls: list[tools.ToolCall]) -> dict[str, Any]:
+def _reasoning_item(rid: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if text or status == "completed" else []
+    return {"id": rid, "type": "reasoning", "summary": [], "content": content, "status": status}
+
+
+def _reply_message(content: str, calls: list[tools.ToolCall], thinking: str) -> dict[str, Any]:
     """The reply as the assistant turn of the next request's conversation."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
+    if thinking:
+        message["reasoning_content"] = thinking
     if calls:  # (message_calls' form: a name and its arguments as an object)
         message["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in calls]
     return message
@@ -296,7 +328,9 @@ class _Reply:
     own: list[dict[str, Any]]  # the request's own input, as chat messages (stored)
     want_logprobs: bool
     rid: str  # new_response_id's, with the server's tag
+    thinks_inside: bool | None = None  # None: the model does not think; else the prompt opened
     mid: str = field(default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    reasoning_id: str = field(default_factory=lambda: f"rs_{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
 
     def response(self, status: str, output: list[dict[str, Any]], out: Outcome | None) -> dict:
@@ -332,67 +366,115 @@ class _Reply:
     def token_logprobs(self, items: Any) -> list[dict[str, Any]]:
         return logprobs.openai_chat(items, self.model.piece)["content"]
 
+    def split(self, text: str) -> tuple[str, str]:
+        """A whole reply's reasoning and the rest."""
+        if self.thinks_inside is None:
+            return "", text
+        return reasoning.ThinkSplit.split(text, self.thinks_inside)
+
     def finish(self, out: Outcome, streamed: bool = False) -> dict[str, Any]:
-        """The finished response (stored where asked): a message first where there is
-        text, no call, or a streamed message; then a ``function_call`` item per call."""
+        """The finished response (stored where asked): a reasoning item where the model
+        reasoned; a message where there is text, no call, or a streamed message; then a
+        ``function_call`` item per call."""
         sample = out.samples[0]
-        content, calls = self.plan.split(sample.text)
+        thinking, text = self.split(sample.text)
+        content, calls = self.plan.split(text)
         lps = self.token_logprobs(sample.logprobs) if self.want_logprobs else None
         status = "incomplete" if sample.finish_reason == "length" else "completed"
-        items = []
+        items = [_reasoning_item(self.reasoning_id, thinking, "completed")] if thinking else []
         if content or not calls or streamed:
             items.append(_message_item(self.mid, content, status, lps))
         items += [_call_item(c, _namespaces(self.body.tools)) for c in calls]
         final = self.response(status, items, out)
         if self.body.store:
-            turn = StoredTurn(self.tenant, self.own, _reply_message(content, calls),
+            turn = StoredTurn(self.tenant, self.own, _reply_message(content, calls, thinking),
                               self.body.previous_response_id, final)  # fmt: skip
             self.store.put(self.rid, turn)
         return final
 
-    def _message_start(self) -> list[dict[str, Any]]:
+    def _message_start(self, index: int) -> list[dict[str, Any]]:
         part = {"type": "output_text", "text": "", "annotations": []}
         return [
-            {"type": "response.output_item.added", "output_index": 0,
+            {"type": "response.output_item.added", "output_index": index,
              "item": {**_message_item(self.mid, "", "in_progress", None), "content": []}},
-            {"type": "response.content_part.added", "item_id": self.mid, "output_index": 0,
+            {"type": "response.content_part.added", "item_id": self.mid, "output_index": index,
              "content_index": 0, "part": part},
         ]  # fmt: skip
 
+    def _reasoning_events(self, text: str, done: bool) -> list[dict[str, Any]]:
+        """The reasoning item's opening events (``done``: its closing ones, ``text`` whole)."""
+        rid, part = self.reasoning_id, {"type": "reasoning_text", "text": text}
+        where = {"item_id": rid, "output_index": 0, "content_index": 0}
+        if not done:
+            return [{"type": "response.output_item.added", "output_index": 0,
+                     "item": _reasoning_item(rid, "", "in_progress")},
+                    {"type": "response.content_part.added", **where, "part": part}]  # fmt: skip
+        return [{"type": "response.reasoning_text.done", **where, "text": text},
+                {"type": "response.content_part.done", **where, "part": part},
+                {"type": "response.output_item.done", "output_index": 0,
+                 "item": _reasoning_item(rid, text, "completed")}]  # fmt: skip
+
     async def events(self, generation: Generation) -> AsyncIterator[dict[str, Any]]:
-        """Responses' stream events (without their sequence numbers): the text as it
+        """Responses' stream events (without their sequence numbers): a thinking model's
+        reasoning as it comes (its item closed when the text begins), the text as it
         comes (tool-call markup held back, as chat's stream does), then each item's
         closing events, then ``response.completed`` (or ``.incomplete``)."""
         mid, started, split = self.mid, False, self.plan.stream()
+        thoughts = None
+        if self.thinks_inside is not None:
+            thoughts = reasoning.ThinkSplit(self.thinks_inside)
+        thought, held = "", []  # the reasoning so far; logprobs held while it goes on
         yield {"type": "response.created", "response": self.response("in_progress", [], None)}
         yield {"type": "response.in_progress", "response": self.response("in_progress", [], None)}
         async for delta in generation.deltas():
-            piece = split.feed(delta.text) if split is not None else delta.text
+            thinking, text = "", delta.text
+            if thoughts is not None:
+                thinking, text = thoughts.feed(text)
+                if delta.finish_reason:
+                    more_thinking, more = thoughts.finish()
+                    thinking, text = thinking + more_thinking, text + more
+            if thinking:
+                if not thought:
+                    for event in self._reasoning_events("", done=False):
+                        yield event
+                thought += thinking
+                yield {"type": "response.reasoning_text.delta", "item_id": self.reasoning_id,
+                       "output_index": 0, "content_index": 0, "delta": thinking}  # fmt: skip
+            piece = split.feed(text) if split is not None else text
             if delta.finish_reason and split is not None:
                 piece += split.finish()[0]
             lps = (
                 self.token_logprobs(delta.logprobs) if self.want_logprobs and delta.logprobs else []
             )
+            if thoughts is not None and not started and not piece:
+                held, lps = held + lps, []  # (the message opens after the reasoning)
             if piece or lps:
                 if not started:
-                    started = True
-                    for event in self._message_start():
+                    started, lps, held = True, held + lps, []
+                    for event in self._reasoning_events(thought, done=True) if thought else []:
                         yield event
-                yield {"type": "response.output_text.delta", "item_id": mid, "output_index": 0,
-                       "content_index": 0, "delta": piece, "logprobs": lps}  # fmt: skip
+                    for event in self._message_start(1 if thought else 0):
+                        yield event
+                yield {"type": "response.output_text.delta", "item_id": mid,
+                       "output_index": 1 if thought else 0, "content_index": 0, "delta": piece,
+                       "logprobs": lps}  # fmt: skip
         final = self.finish(generation.outcome, started)
         items = final["output"]
-        if items[0]["type"] == "message":
+        if thought and not started:  # all reasoning (cut by max_output_tokens, or a call)
+            for event in self._reasoning_events(thought, done=True):
+                yield event
+        at = 1 if thought else 0
+        if at < len(items) and items[at]["type"] == "message":
             if not started:
-                for event in self._message_start():
+                for event in self._message_start(at):
                     yield event
-            part = items[0]["content"][0]
-            yield {"type": "response.output_text.done", "item_id": mid, "output_index": 0,
+            part = items[at]["content"][0]
+            yield {"type": "response.output_text.done", "item_id": mid, "output_index": at,
                    "content_index": 0, "text": part["text"],
                    "logprobs": part.get("logprobs") or []}  # fmt: skip
-            yield {"type": "response.content_part.done", "item_id": mid, "output_index": 0,
+            yield {"type": "response.content_part.done", "item_id": mid, "output_index": at,
                    "content_index": 0, "part": part}  # fmt: skip
-            yield {"type": "response.output_item.done", "output_index": 0, "item": items[0]}
+            yield {"type": "response.output_item.done", "output_index": at, "item": items[at]}
         for index, item in enumerate(items):
             if item["type"] != "function_call":
                 continue
@@ -458,8 +540,10 @@ async def create_response(http: Request, state: State) -> Any:
         asked = logprobs.requested(True, body.top_logprobs or 0, "responses")
     params = openai_params(_params_body(body), len(ids), model.context_length, asked)
     params = await constrained(params, fmt, model, len(ids))
+    thoughts = reasoning.splitter(model, ids)
+    inside = None if thoughts is None else thoughts.inside
     reply = _Reply(body, model, params, plan, store, tenant.name, own, asked is not None,
-                   new_response_id(store.tag))  # fmt: skip
+                   new_response_id(store.tag), inside)  # fmt: skip
     generation = await Generation.start(model, http, ids, params, tenant, state.metrics, "openai")
     if body.stream:
         return reply.sse(generation)

@@ -142,7 +142,8 @@ def chat_messages(
             content = f"{content}\n{calls}" if content else calls
         elif role == "tool":
             role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
-        out.append({"role": role, "content": content})
+        rest = {k: v for k, v in m.items() if k != "tool_calls"}  # reasoning_content...
+        out.append({**rest, "role": role, "content": content})
     if tools:
         described = "\n".join(json.dumps(t) for t in tools)
         guide = (
@@ -299,11 +300,17 @@ class ToolPlan:
 
 
 def prepare(
-    model: Any, messages: list[dict[str, Any]], raw_tools: Any, choice: Any, prefill: str = ""
+    model: Any,
+    messages: list[dict[str, Any]],
+    raw_tools: Any,
+    choice: Any,
+    prefill: str = "",
+    template_extra: dict[str, Any] | None = None,
 ) -> tuple[list[int], ToolPlan]:
     """The prompt's token ids with the tools rendered in, and the plan (400s for bad
     tools or a ``tool_choice`` that names none of them). ``prefill``: the start of the
-    reply, written for the model to continue (Anthropic's last assistant turn)."""
+    reply, written for the model to continue (Anthropic's last assistant turn);
+    ``template_extra``: more template variables (``enable_thinking``)."""
     tools = check_tools(raw_tools)
     template = model.chat_template
     fmt = tool_format(template)
@@ -312,6 +319,7 @@ def prepare(
     )
     shown = [] if choice == "none" else tools
     rendered, extra = chat_messages(messages, shown, template)
+    extra.update(template_extra or {})
     if prefill:
         extra["prefill"] = prefill
     try:
