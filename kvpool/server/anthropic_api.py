@@ -381,12 +381,7 @@ class _Reply:
             if delta is None:
                 yield {"type": "ping"}
                 continue
-            thinking, text = "", delta.text
-            if thoughts is not None:
-                thinking, text = thoughts.feed(text)
-                if delta.finish_reason:
-                    more_thinking, more = thoughts.finish()
-                    thinking, text = thinking + more_thinking, text + more
+            thinking, text = reasoning.step(thoughts, delta.text, bool(delta.finish_reason))
             content.append(text)
             piece = split.feed(text) if split is not None else text
             if delta.finish_reason and split is not None:

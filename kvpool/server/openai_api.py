@@ -224,13 +224,9 @@ async def chat_completions(http: Request, state: State) -> Any:
                 if delta.text or delta.finish_reason or (want_logprobs and delta.logprobs):
                     text, reason, message = delta.text, _reason(delta.finish_reason), {}
                     split, thought = splits[delta.index], thoughts[delta.index]
-                    if thought is not None:
-                        thinking, text = thought.feed(text)
-                        if delta.finish_reason:
-                            more_thinking, more = thought.finish()
-                            thinking, text = thinking + more_thinking, text + more
-                        if thinking:
-                            message["reasoning_content"] = thinking
+                    thinking, text = reasoning.step(thought, text, bool(delta.finish_reason))
+                    if thinking:
+                        message["reasoning_content"] = thinking
                     if split is not None:
                         text = split.feed(text)
                         if delta.finish_reason:

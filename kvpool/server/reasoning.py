@@ -74,6 +74,18 @@ def splitter(model: Any, ids: list[int]) -> ThinkSplit | None:
     return ThinkSplit(opens_thinking(model, ids))
 
 
+def step(thoughts: ThinkSplit | None, text: str, last: bool) -> tuple[str, str]:
+    """A streamed piece's reasoning and content (``last``: the stream's last piece, the
+    held tail given out too); no splitter: all content."""
+    if thoughts is None:
+        return "", text
+    thinking, content = thoughts.feed(text)
+    if last:
+        more_thinking, more = thoughts.finish()
+        thinking, content = thinking + more_thinking, content + more
+    return thinking, content
+
+
 class ThinkSplit:
     """A reply's text into (reasoning, content), fed piece by piece (``feed``, then
     ``finish``) or whole (``split``). ``inside``: the prompt opened the block."""

@@ -427,12 +427,7 @@ class _Reply:
         yield {"type": "response.created", "response": self.response("in_progress", [], None)}
         yield {"type": "response.in_progress", "response": self.response("in_progress", [], None)}
         async for delta in generation.deltas():
-            thinking, text = "", delta.text
-            if thoughts is not None:
-                thinking, text = thoughts.feed(text)
-                if delta.finish_reason:
-                    more_thinking, more = thoughts.finish()
-                    thinking, text = thinking + more_thinking, text + more
+            thinking, text = reasoning.step(thoughts, delta.text, bool(delta.finish_reason))
             if thinking:
                 if not thought:
                     for event in self._reasoning_events("", done=False):
