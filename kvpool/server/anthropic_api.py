@@ -359,9 +359,10 @@ class _Reply:
 
     async def events(self, generation: Generation) -> AsyncIterator[dict[str, Any]]:
         """The stream's events: ``message_start`` at once (its usage counts the whole
-        prompt; the last ``message_delta`` says what the cache served), the text as it
-        comes (tool-call markup held back, as chat's stream does), each call's
-        ``tool_use`` block, then ``message_delta`` and ``message_stop``."""
+        prompt; the last ``message_delta`` says what the cache served), a thinking
+        model's reasoning block as it comes (closed by an empty ``signature_delta``),
+        the text as it comes (tool-call markup held back, as chat's stream does), each
+        call's ``tool_use`` block, then ``message_delta`` and ``message_stop``."""
         start_usage = {"input_tokens": generation.outcome.prompt_tokens,
                        "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
                        "output_tokens": 0}  # fmt: skip

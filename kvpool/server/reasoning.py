@@ -8,16 +8,19 @@ block in the generation prompt itself (the reply then starts inside it).
 - ``thinks(template)``: whether a model thinks.
 - ``template_kwargs``: a request's switch (Ollama's ``think``, OpenAI clients'
   ``chat_template_kwargs.enable_thinking`` or ``reasoning_effort``) as the template's
-  variable; asking a model that does not think to think is a 400, as Ollama answers.
+  variable; asking a model that does not think to think is a 400, as Ollama answers
+  (Anthropic's ``thinking`` and Responses' ``reasoning.effort``, which Claude Code and
+  Codex send to every model, are the model's default there: their routes decide).
 - ``ThinkSplit``: a reply's text, whole or streamed, into reasoning and content. Only a
   block at the start of the reply is reasoning (one written later is content, as the
   model wrote it). The tags are not part of either; the whitespace that follows each
   tag is dropped. A stream holds back a tail that may be the start of a tag, so the
   pieces it gives equal the whole text's split for any cut of the text (tested).
 
-Ollama returns the reasoning as ``thinking`` (``message.thinking`` in chat), OpenAI-shaped
-replies as ``reasoning_content`` (the field llama.cpp's server and vLLM use); sent back
-in a conversation, either becomes the template's ``reasoning_content``.
+Ollama returns the reasoning as ``thinking`` (``message.thinking`` in chat), chat
+completions as ``reasoning_content`` (the field llama.cpp's server and vLLM use),
+Anthropic's Messages as a ``thinking`` block, Responses as a ``reasoning`` item; sent
+back in a conversation, each becomes the template's ``reasoning_content``.
 """
 
 from __future__ import annotations
