@@ -364,3 +364,27 @@ def test_input_items_become_chat_messages():
         {"name": "g", "arguments": {}},
     ]
     assert [m["content"] for m in got[3:]] == ["one", "two"]
+
+
+def test_a_prompt_past_the_context_is_named_in_openais_code(server):
+    """Agents (Codex, LangChain's trimmers) tell a conversation past the context by the
+    error's ``code`` or its words ("maximum context length"), to compact it and retry."""
+    a, _ = clients(server)
+    long = "word " * 9000
+    calls = (
+        lambda: a.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": long}], max_tokens=4
+        ),
+        lambda: a.completions.create(model=MODEL, prompt=long, max_tokens=4),
+        lambda: a.responses.create(model=MODEL, input=long, max_output_tokens=4),
+    )
+    for call in calls:
+        with pytest.raises(openai.BadRequestError) as refused:
+            call()
+        assert refused.value.code == "context_length_exceeded"
+        assert "maximum context length is 8192 tokens" in refused.value.message
+    other = httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL},
+                       headers={"authorization": "Bearer key-a"}, timeout=60)  # fmt: skip
+    assert other.status_code == 400 and other.json()["error"]["code"] == 400  # the others
+    snapshot = server.model.snapshot
+    assert snapshot.cache.used_blocks == 0 and snapshot.running == snapshot.waiting == 0

@@ -33,11 +33,17 @@ log = logging.getLogger("kvpool.server")
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    """A refusal; ``code``: OpenAI's error code where one names it (agents read
+    ``context_length_exceeded`` to shorten a conversation), else the HTTP status."""
+
+    def __init__(
+        self, status: int, message: str, kind: str = "invalid_request_error", code: str = ""
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.kind = kind
+        self.code = code
 
 
 def bad_request(message: str) -> APIError:
@@ -67,16 +73,20 @@ def anthropic_stream_error(status: int, message: str, kind: str = "") -> bytes:
     return f"event: error\ndata: {json.dumps(anthropic_error(status, message, kind))}\n\n".encode()
 
 
-def error_body(path: str, status: int, message: str, kind: str) -> dict:
+def error_body(path: str, status: int, message: str, kind: str, code: str = "") -> dict:
     if anthropic_path(path):
         return anthropic_error(status, message, kind)
     if path.startswith("/v1/"):
-        return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+        return {"error": {"message": message, "type": kind, "param": None,
+                          "code": code or status}}  # fmt: skip
     return {"error": message}
 
 
-def error_response(request: Request, status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse(error_body(request.url.path, status, message, kind), status_code=status)
+def error_response(
+    request: Request, status: int, message: str, kind: str, code: str = ""
+) -> JSONResponse:
+    body = error_body(request.url.path, status, message, kind, code)
+    return JSONResponse(body, status_code=status)
 
 
 def _kind(status: int) -> str:
@@ -134,7 +144,7 @@ def stream_error(exc: BaseException, where: str) -> tuple[int, str, str]:
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(request, exc.status, exc.message, exc.kind)
+        return error_response(request, exc.status, exc.message, exc.kind, exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -29,7 +29,7 @@ import math
 from typing import Any
 
 from kvpool.engine.sampling import SamplingParams
-from kvpool.server.errors import bad_request
+from kvpool.server.errors import APIError, bad_request
 
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 _FLOAT = ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty")
@@ -70,10 +70,12 @@ def max_new_tokens(requested: int | None, prompt_len: int, context: int) -> int:
     """Output tokens allowed: ``requested`` (None: all the context leaves), capped by the
     context. Raises 400 if the prompt leaves no room."""
     room = context - prompt_len
-    if room < 1:
-        raise bad_request(
-            f"the prompt has {prompt_len} tokens; the context holds {context} "
-            "(prompt + output), so no room is left for output"
+    if room < 1:  # (in the words clients match: "maximum context length", OpenAI's code)
+        raise APIError(
+            400,
+            f"the prompt has {prompt_len} tokens; the model's maximum context length is "
+            f"{context} tokens (prompt + output), so no room is left for output",
+            code="context_length_exceeded",
         )
     return room if requested is None else min(requested, room)
 
