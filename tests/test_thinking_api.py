@@ -1,19 +1,22 @@
-"""A thinking model's replies over HTTP: reasoning apart from content in Ollama's
-``thinking`` and OpenAI's ``reasoning_content``, whole and streamed; the request's switch
-reaches the template; a model that does not think refuses ``think``.
+"""A thinking model's replies over HTTP: reasoning apart from content in each API's shape
+(Ollama's ``thinking``, OpenAI's ``reasoning_content``, Anthropic's thinking blocks,
+Responses' reasoning items), whole and streamed; each API's switch reaches the template;
+a grammar-held reply has no reasoning; a model that does not think refuses ``think``.
 
 The default model does not think: its server here gets a thinking template (ChatML whose
 generation prompt opens ``<think>`` unless ``enable_thinking`` is false, as Qwen3's
-thinking variants and DeepSeek-R1's do). What the model writes inside is its own; a
-JSON-schema pattern makes it close the block mid-reply where a test needs that."""
+thinking variants do). What the model writes inside is its own, and it never closes the
+block; where a test needs the block closed mid-reply, ``Scripted`` makes the model
+write a given reply (its logits, one token at a time), cut into tokens as any reply."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 
-pytest.importorskip("torch")
+torch = pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -36,9 +39,63 @@ THINKING_TEMPLATE = (
     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
     "{% else %}<think>\n{% endif %}{% endif %}"
 )
+# DeepSeek-R1's kind: the block opened whatever enable_thinking says
+ALWAYS_OPEN_TEMPLATE = THINKING_TEMPLATE.split("{% if enable_thinking")[0] + "<think>\n{% endif %}"
 QUESTION = [{"role": "user", "content": "What is two plus two?"}]
-# a reply that closes the block: some reasoning, the tag, a capitalized answer
-CLOSING = {"type": "string", "pattern": "^[a-z]{2,6} [a-z]{2,6}</think>[A-Z][a-z]{1,8}$"}
+# a reply whose reasoning ends mid-reply (the prompt opened the block)
+REPLY = "Two and two make four, I think.</think>\n\nIt is 4, as <b>bold</b> says."
+
+
+class Scripted:
+    """The runner's forward (the test reaches inside the engine on purpose) with every
+    running request's next-token logits set so that greedy sampling writes ``text``'s
+    tokens, then the end of the turn."""
+
+    def __init__(self, llm: LLM, text: str) -> None:
+        tokenizer = llm.loaded.tokenizer
+        self.ids = [*tokenizer.encode(text, add_bos=False), tokenizer.eos_id]
+        self.engine = llm.engine
+        self.forward = llm.engine._runner.forward
+        llm.engine._runner.forward = self  # type: ignore[method-assign]
+
+    def __call__(self, chunks, **kw):
+        out = self.forward(chunks, **kw)
+        logits = out[0] if isinstance(out, tuple) else out
+        manager = self.engine._manager
+        by_table = {tuple(manager.block_table(r.seq_id)): r for r in self.engine._scheduler.running}
+        for row, chunk in enumerate(chunks):
+            request = by_table.get(tuple(chunk.block_table))
+            if request is not None and row < logits.shape[0]:
+                token = self.ids[min(len(request.output_ids), len(self.ids) - 1)]
+                with torch.inference_mode():  # (the engine's tensors are inference tensors)
+                    logits[row].fill_(-1e9)
+                    logits[row, token] = 0.0
+        return out
+
+    def remove(self) -> None:
+        self.engine._runner.forward = self.forward  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def scripted(server, text: str = REPLY):
+    """The server's model writes ``text``; yields its reasoning and content."""
+    script = Scripted(server.llm, text)
+    written = server.llm.loaded.tokenizer.decode(script.ids[:-1])
+    try:
+        yield ThinkSplit.split(written, inside=True)
+    finally:
+        script.remove()
+
+
+@contextlib.contextmanager
+def template(server, text: str):
+    tokenizer = server.llm.loaded.tokenizer
+    before = tokenizer.chat_template
+    tokenizer.chat_template, tokenizer._template = text, None
+    try:
+        yield
+    finally:
+        tokenizer.chat_template, tokenizer._template = before, None
 
 
 @pytest.fixture(scope="module")
@@ -66,59 +123,100 @@ def _ollama_stream(server, path: str, body: dict) -> list[dict]:
         return [json.loads(line) for line in reply.iter_lines() if line]
 
 
-def _raw(server, prompt: str, options: dict, fmt=None) -> str:
+def _raw(server, prompt: str, options: dict) -> str:
     """What the model writes after ``prompt`` (the template's rendering), unsplit."""
     body = {"prompt": prompt, "raw": True, "stream": False, "options": options}
-    return _ollama(server, "/api/generate", body | ({"format": fmt} if fmt else {}))["response"]
+    return _ollama(server, "/api/generate", body)["response"]
 
 
 def _rendered(server, messages, **extra) -> str:
     return server.llm.loaded.tokenizer.render_chat(messages, **extra)
 
 
-OPTIONS = {"temperature": 0, "num_predict": 20}
+def _count(server, text: str) -> int:
+    return len(server.llm.loaded.tokenizer.encode(text, add_bos=False))
 
 
-@pytest.mark.parametrize("fmt", [None, CLOSING])
-def test_ollama_chat_splits_reasoning_from_content_whole_and_streamed(servers, fmt):
+OPTIONS = {"temperature": 0, "num_predict": 40}
+
+
+@pytest.mark.parametrize("script", [None, REPLY])
+def test_ollama_chat_splits_reasoning_from_content_whole_and_streamed(servers, script):
+    """The model's own reply (all reasoning: it never closes the block), and one whose
+    block closes mid-reply."""
     server = servers[0]
-    raw = _raw(server, _rendered(server, QUESTION), OPTIONS, fmt)
-    want_thinking, want_content = ThinkSplit.split(raw, inside=True)
-    assert want_thinking  # the model wrote reasoning
-    if fmt is not None:
-        assert want_content and "</think>" in raw  # the block closed mid-reply
-    body = {"messages": QUESTION, "options": OPTIONS} | ({"format": fmt} if fmt else {})
-    whole = _ollama(server, "/api/chat", body | {"stream": False})["message"]
-    assert whole.get("thinking", "") == want_thinking
-    assert whole["content"] == want_content
-    lines = _ollama_stream(server, "/api/chat", body)
-    assert "".join(x["message"].get("thinking", "") for x in lines) == want_thinking
-    assert "".join(x["message"]["content"] for x in lines) == want_content
-    assert lines[-1]["done"] is True and "error" not in lines[-1]
-    if ollama is not None and fmt is None:  # Ollama's own client, think asked for
-        reply = ollama.Client(host=server.url).chat(
-            model=MODEL, messages=QUESTION, options=OPTIONS, think=True
-        )
-        assert (reply.message.thinking, reply.message.content) == (want_thinking, want_content)
+    with scripted(server, script) if script else contextlib.nullcontext() as split:
+        if script is None:
+            split = ThinkSplit.split(_raw(server, _rendered(server, QUESTION), OPTIONS), True)
+        want_thinking, want_content = split
+        assert want_thinking and (want_content or script is None)
+        body = {"messages": QUESTION, "options": OPTIONS}
+        whole = _ollama(server, "/api/chat", body | {"stream": False})["message"]
+        assert whole.get("thinking", "") == want_thinking
+        assert whole["content"] == want_content
+        lines = _ollama_stream(server, "/api/chat", body)
+        assert "".join(x["message"].get("thinking", "") for x in lines) == want_thinking
+        assert "".join(x["message"]["content"] for x in lines) == want_content
+        assert lines[-1]["done"] is True and "error" not in lines[-1]
+        if ollama is not None:  # Ollama's own client, think asked for
+            reply = ollama.Client(host=server.url).chat(
+                model=MODEL, messages=QUESTION, options=OPTIONS, think=True
+            )
+            assert (reply.message.thinking, reply.message.content) == split
 
 
 def test_ollama_generate_and_think_false(servers):
     server = servers[0]
-    raw = _raw(server, _rendered(server, QUESTION), OPTIONS, CLOSING)
-    thinking, content = ThinkSplit.split(raw, inside=True)
-    body = {"prompt": QUESTION[0]["content"], "options": OPTIONS, "format": CLOSING}
-    reply = _ollama(server, "/api/generate", body | {"stream": False})
-    assert (reply["thinking"], reply["response"]) == (thinking, content)
-    lines = _ollama_stream(server, "/api/generate", body)
-    assert "".join(x.get("thinking", "") for x in lines) == thinking
-    assert "".join(x["response"] for x in lines) == content
+    with scripted(server) as (thinking, content):
+        body = {"prompt": QUESTION[0]["content"], "options": OPTIONS}
+        reply = _ollama(server, "/api/generate", body | {"stream": False})
+        assert (reply["thinking"], reply["response"]) == (thinking, content)
+        lines = _ollama_stream(server, "/api/generate", body)
+        assert "".join(x.get("thinking", "") for x in lines) == thinking
+        assert "".join(x["response"] for x in lines) == content
     # think: false writes the empty block: the reply is content from its first token
     off = _raw(server, _rendered(server, QUESTION, enable_thinking=False), OPTIONS)
     reply = _ollama(server, "/api/chat", {"messages": QUESTION, "options": OPTIONS,
                                           "think": False, "stream": False})  # fmt: skip
     assert reply["message"]["content"] == off.lstrip() and "thinking" not in reply["message"]
-    assert reply["prompt_eval_count"] == len(server.llm.loaded.tokenizer.encode(
-        _rendered(server, QUESTION, enable_thinking=False), add_bos=False))  # fmt: skip
+    rendered = _rendered(server, QUESTION, enable_thinking=False)
+    assert reply["prompt_eval_count"] == _count(server, rendered)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "always-open"])
+def test_a_reply_a_grammar_holds_has_no_reasoning(servers, kind):
+    """A format's grammar holds the reply from its first token: no reasoning fits, so the
+    template's ``enable_thinking`` is false, and a block the prompt still opens (R1's
+    kind of template) is closed in the prompt. The reply is the format's JSON, as
+    content, on every API; a forced tool call the same."""
+    server = servers[0]
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    with template(server, THINKING_TEMPLATE if kind == "qwen3" else ALWAYS_OPEN_TEMPLATE):
+        prompt = _rendered(server, QUESTION, enable_thinking=False)
+        prompt += "</think>\n\n" if kind == "always-open" else ""
+        body = {"messages": QUESTION, "options": OPTIONS, "format": schema, "think": True}
+        reply = _ollama(server, "/api/chat", body | {"stream": False})
+        assert "thinking" not in reply["message"] and json.loads(reply["message"]["content"])
+        assert reply["prompt_eval_count"] == _count(server, prompt)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+        tool = {"type": "function", "function": {"name": "add", "parameters": schema}}
+        forced = client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=60, temperature=0, tools=[tool],
+            tool_choice={"type": "function", "function": {"name": "add"}},
+        )  # fmt: skip
+        message = forced.choices[0].message
+        assert message.tool_calls and getattr(message, "reasoning_content", None) is None
+        anthropic = pytest.importorskip("anthropic")
+        claude = anthropic.Anthropic(base_url=server.url, api_key="none")
+        fmt = {"format": {"type": "json_schema", "schema": schema}}
+        message = claude.messages.create(
+            model=MODEL, max_tokens=40, messages=QUESTION, thinking={"type": "adaptive"},
+            extra_body={"temperature": 0, "output_config": fmt},
+        )  # fmt: skip
+        assert [b.type for b in message.content] == ["text"]
+        assert message.usage.input_tokens + message.usage.cache_read_input_tokens == _count(
+            server, prompt
+        )
 
 
 def test_openai_reasoning_content_and_a_resent_turn(servers):
@@ -126,7 +224,7 @@ def test_openai_reasoning_content_and_a_resent_turn(servers):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
     raw = _raw(server, _rendered(server, QUESTION), OPTIONS)
     thinking, content = ThinkSplit.split(raw, inside=True)
-    kw = {"model": MODEL, "messages": QUESTION, "max_tokens": 20, "temperature": 0}
+    kw = {"model": MODEL, "messages": QUESTION, "max_tokens": 40, "temperature": 0}
     message = client.chat.completions.create(**kw).choices[0].message
     assert (message.reasoning_content, message.content) == (thinking, content)
     chunks = list(client.chat.completions.create(**kw, stream=True))
@@ -171,19 +269,16 @@ def test_anthropic_thinking_blocks_whole_and_streamed(servers):
     anthropic = pytest.importorskip("anthropic")
     server = servers[0]
     client = anthropic.Anthropic(base_url=server.url, api_key="none")
-    raw = _raw(server, _rendered(server, QUESTION), OPTIONS, CLOSING)
-    thinking, content = ThinkSplit.split(raw, inside=True)
-    kw = {"model": MODEL, "max_tokens": 20, "messages": QUESTION,
+    kw = {"model": MODEL, "max_tokens": 40, "messages": QUESTION,
           "thinking": {"type": "enabled", "budget_tokens": 1024},
-          "extra_body": {"temperature": 0,  # (newer SDKs take it only here)
-                         "output_config": {"format": {"type": "json_schema",
-                                                      "schema": CLOSING}}}}  # fmt: skip
-    message = client.messages.create(**kw)
-    assert [b.type for b in message.content] == ["thinking", "text"]
-    assert (message.content[0].thinking, message.content[1].text) == (thinking, content)
-    with client.messages.stream(**kw) as stream:
-        events = list(stream)
-        final = stream.get_final_message()
+          "extra_body": {"temperature": 0}}  # (newer SDKs take it only there)  # fmt: skip
+    with scripted(server) as (thinking, content):
+        message = client.messages.create(**kw)
+        assert [b.type for b in message.content] == ["thinking", "text"]
+        assert (message.content[0].thinking, message.content[1].text) == (thinking, content)
+        with client.messages.stream(**kw) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
 
     def blocks(content):
         return [(b.type, getattr(b, "thinking", None), getattr(b, "text", None)) for b in content]
@@ -215,17 +310,15 @@ def test_anthropic_thinking_blocks_whole_and_streamed(servers):
 def test_responses_reasoning_items_whole_streamed_and_continued(servers):
     server = servers[0]
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
-    raw = _raw(server, _rendered(server, QUESTION), OPTIONS, CLOSING)
-    thinking, content = ThinkSplit.split(raw, inside=True)
-    fmt = {"format": {"type": "json_schema", "name": "closing", "schema": CLOSING}}
-    kw = {"model": MODEL, "input": QUESTION[0]["content"], "max_output_tokens": 20,
-          "temperature": 0, "text": fmt}  # fmt: skip
-    first = client.responses.create(**kw)
-    assert [item.type for item in first.output] == ["reasoning", "message"]
-    assert first.output[0].content[0].text == thinking and first.output_text == content
-    with client.responses.stream(**kw) as stream:
-        events = list(stream)
-        streamed = stream.get_final_response()
+    kw = {"model": MODEL, "input": QUESTION[0]["content"], "max_output_tokens": 40,
+          "temperature": 0}  # fmt: skip
+    with scripted(server) as (thinking, content):
+        first = client.responses.create(**kw)
+        assert [item.type for item in first.output] == ["reasoning", "message"]
+        assert first.output[0].content[0].text == thinking and first.output_text == content
+        with client.responses.stream(**kw) as stream:
+            events = list(stream)
+            streamed = stream.get_final_response()
     assert [item.type for item in streamed.output] == ["reasoning", "message"]
     deltas = [e for e in events if e.type.endswith(".delta")]
     assert "".join(e.delta for e in deltas if e.type == "response.reasoning_text.delta") == thinking

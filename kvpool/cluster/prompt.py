@@ -47,6 +47,9 @@ class PromptReader:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special=False)
 
+    def piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special=False)
+
     @staticmethod
     def max_tokens(body: bytes, default: int = 128) -> int:
         """The tokens a request may generate (``max_tokens``, ``max_completion_tokens``,

@@ -254,7 +254,9 @@ def prompt(model: Any, body: MessagesBody) -> tuple[list[int], tools.ToolPlan]:
     messages, prefill = conversation(body)
     choice = chat_tool_choice(body.tool_choice)
     extra = reasoning.template_kwargs(model, _think(model, body.thinking))
-    return tools.prepare(model, messages, chat_tools(body.tools), choice, prefill, extra)
+    constrained = bool((body.output_config or {}).get("format") or body.output_format)
+    return tools.prepare(model, messages, chat_tools(body.tools), choice, prefill, extra,
+                         constrained)  # fmt: skip
 
 
 def _think(model: Any, thinking: dict[str, Any] | None) -> bool | None:

@@ -116,8 +116,16 @@ def generate_prompt(model: Any, body: GenerateBody) -> list[int]:
         ids = model.encode(body.prompt)
     else:
         messages = [{"role": "system", "content": body.system}] if body.system else []
+        messages.append({"role": "user", "content": body.prompt})
         extra = reasoning.template_kwargs(model, _think(body.think))
-        ids = model.encode_chat([*messages, {"role": "user", "content": body.prompt}], **extra)
+
+        def encode(more: dict[str, Any], start: str) -> list[int]:
+            return model.encode_chat(messages, **more, **({"prefill": start} if start else {}))
+
+        if body.format not in (None, "") and reasoning.thinks(model.chat_template):
+            ids = reasoning.closed(model, encode, extra)
+        else:
+            ids = encode(extra, "")
     return model.check_tokens(list(body.context or []), "context") + ids
 
 
@@ -125,7 +133,8 @@ def chat_prompt(model: Any, body: ChatBody) -> tuple[list[int], tools.ToolPlan]:
     """A chat request's prompt ids (its tools and thinking switch rendered in) and plan."""
     extra = reasoning.template_kwargs(model, _think(body.think))
     messages = [template_message(m) for m in body.messages]
-    return tools.prepare(model, messages, body.tools, None, template_extra=extra)
+    return tools.prepare(model, messages, body.tools, None, template_extra=extra,
+                         constrained=body.format not in (None, ""))  # fmt: skip
 
 
 def template_message(m: Message) -> dict[str, Any]:

@@ -97,7 +97,9 @@ def chat_prompt(model: Any, body: ChatBody) -> tuple[list[int], tools.ToolPlan]:
     """A chat request's prompt ids (its tools and thinking switch rendered in) and plan."""
     extra = reasoning.template_kwargs(model, reasoning.openai_think(body))
     messages = [template_message(m) for m in body.messages]
-    return tools.prepare(model, messages, body.tools, body.tool_choice, template_extra=extra)
+    constrained = (body.response_format or {}).get("type", "text") != "text"
+    return tools.prepare(model, messages, body.tools, body.tool_choice, template_extra=extra,
+                         constrained=constrained)  # fmt: skip
 
 
 def completion_prompt(model: Any, body: CompletionBody) -> tuple[str | list[int], list[int]]:

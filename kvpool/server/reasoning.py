@@ -25,6 +25,7 @@ back in a conversation, each becomes the template's ``reasoning_content``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvpool.server.errors import bad_request
@@ -67,6 +68,23 @@ def opens_thinking(model: Any, ids: list[int]) -> bool:
     """Whether the prompt's last tokens open a think block (the reply starts inside)."""
     tail = "".join(model.piece(i) for i in ids[-8:])
     return tail.rstrip().endswith(OPEN)
+
+
+def closed(
+    model: Any,
+    encode: Callable[[dict[str, Any], str], list[int]],
+    extra: dict[str, Any],
+    prefill: str = "",
+) -> list[int]:
+    """The prompt of a thinking model's reply that a grammar holds from its first token (a
+    response format, a forced call): no reasoning fits there, so there is none. The
+    template's ``enable_thinking`` is false (Qwen3 writes an empty block), and a prompt
+    that still opens a block gets it closed (``encode(variables, prefill)``: the ids)."""
+    extra = {**extra, "enable_thinking": False}
+    ids = encode(extra, prefill)
+    if opens_thinking(model, ids):
+        ids = encode(extra, CLOSE + "\n\n" + prefill)
+    return ids
 
 
 def splitter(model: Any, ids: list[int]) -> ThinkSplit | None:

@@ -209,7 +209,9 @@ def prompt(
     choice = chat_tool_choice(body.tool_choice)
     extra = reasoning.template_kwargs(model, _think(model, body.reasoning))
     messages = [*system, *history, *own]
-    return tools.prepare(model, messages, chat_tools(body.tools), choice, template_extra=extra)
+    constrained = (chat_response_format(body.text) or {}).get("type", "text") != "text"
+    return tools.prepare(model, messages, chat_tools(body.tools), choice, template_extra=extra,
+                         constrained=constrained)  # fmt: skip
 
 
 def _think(model: Any, asked: dict[str, Any] | None) -> bool | None:

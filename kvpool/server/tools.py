@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.engine.structured import ResponseFormat
+from kvpool.server import reasoning
 from kvpool.server.errors import bad_request
 
 HERMES, LLAMA3 = "hermes", "llama3"
@@ -306,11 +307,14 @@ def prepare(
     choice: Any,
     prefill: str = "",
     template_extra: dict[str, Any] | None = None,
+    constrained: bool = False,
 ) -> tuple[list[int], ToolPlan]:
     """The prompt's token ids with the tools rendered in, and the plan (400s for bad
     tools or a ``tool_choice`` that names none of them). ``prefill``: the start of the
     reply, written for the model to continue (Anthropic's last assistant turn);
-    ``template_extra``: more template variables (``enable_thinking``)."""
+    ``template_extra``: more template variables (``enable_thinking``); ``constrained``:
+    a response format's grammar holds the reply from its first token, as a forced call's
+    does, so a thinking model answers without reasoning (``reasoning.closed``)."""
     tools = check_tools(raw_tools)
     template = model.chat_template
     fmt = tool_format(template)
@@ -319,11 +323,17 @@ def prepare(
     )
     shown = [] if choice == "none" else tools
     rendered, extra = chat_messages(messages, shown, template)
-    extra.update(template_extra or {})
-    if prefill:
-        extra["prefill"] = prefill
-    try:
-        ids = model.encode_chat(rendered, **extra)
-    except ValueError as exc:  # the template refused the conversation
-        raise bad_request(str(exc)) from None
+
+    def encode(more: dict[str, Any], start: str) -> list[int]:
+        try:
+            return model.encode_chat(
+                rendered, **{**extra, **more}, **({"prefill": start} if start else {})
+            )
+        except ValueError as exc:  # the template refused the conversation
+            raise bad_request(str(exc)) from None
+
+    if (constrained or forced is not None) and reasoning.thinks(template):
+        ids = reasoning.closed(model, encode, template_extra or {}, prefill)
+    else:
+        ids = encode(template_extra or {}, prefill)
     return ids, ToolPlan(shown, fmt, forced)
