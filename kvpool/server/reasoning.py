@@ -17,6 +17,9 @@ block in the generation prompt itself (the reply then starts inside it).
   tag is dropped. A stream holds back a tail that may be the start of a tag, so the
   pieces it gives equal the whole text's split for any cut of the text (tested).
 
+A reply that a grammar holds from its first token (a response format, a forced tool call)
+has no room for reasoning: ``closed`` writes its prompt without it.
+
 Ollama returns the reasoning as ``thinking`` (``message.thinking`` in chat), chat
 completions as ``reasoning_content`` (the field llama.cpp's server and vLLM use),
 Anthropic's Messages as a ``thinking`` block, Responses as a ``reasoning`` item; sent
