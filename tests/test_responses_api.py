@@ -153,27 +153,29 @@ def test_function_calls_and_their_outputs(server):
         {"type": "function_call_output", "call_id": c.call_id, "output": "sunny, 21 C"}
         for c in calls
     ]
-    stored = a.responses.create(
-        model=MODEL, input=output, previous_response_id=asked.id, tools=[WEATHER],
-        max_output_tokens=16, temperature=0,
-    )  # fmt: skip
-    resent = a.responses.create(
-        model=MODEL, tools=[WEATHER], max_output_tokens=16, temperature=0, store=False,
-        input=[
-            {"role": "user", "content": "What is the weather in Paris?"},
-            *[
-                {"type": "function_call", "call_id": c.call_id, "name": c.name,
-                 "arguments": c.arguments}
-                for c in calls
-            ],
-            *output,
-        ],
-    )  # fmt: skip
+    stored, resent = _continued(a, asked, calls, output, [WEATHER], 16)
     assert stored.output_text == resent.output_text
     assert stored.usage.input_tokens == resent.usage.input_tokens
     assert resent.usage.input_tokens_details.cached_tokens > asked.usage.input_tokens // 2
     with pytest.raises(openai.NotFoundError):  # store=False: not kept
         a.responses.retrieve(resent.id)
+
+
+def _continued(client, asked, calls, output, tools, n, namespaced=False):
+    """A conversation's next turn (the tool's ``output`` for ``asked``'s ``calls``) from
+    the store, and the same conversation sent whole (not stored)."""
+    stored = client.responses.create(
+        model=MODEL, input=output, previous_response_id=asked.id, tools=tools,
+        max_output_tokens=n, temperature=0,
+    )  # fmt: skip
+    made = [{"type": "function_call", "call_id": c.call_id, "name": c.name,
+             "arguments": c.arguments, **({"namespace": c.namespace} if namespaced else {})}
+            for c in calls]  # fmt: skip
+    resent = client.responses.create(
+        model=MODEL, tools=tools, max_output_tokens=n, temperature=0, store=False,
+        input=[{"role": "user", "content": "What is the weather in Paris?"}, *made, *output],
+    )  # fmt: skip
+    return stored, resent
 
 
 def test_namespaced_functions_and_tools_the_server_would_run(server):
@@ -203,19 +205,7 @@ def test_namespaced_functions_and_tools_the_server_would_run(server):
     # the call sent back with its namespace renders as the stored turn did
     output = [{"type": "function_call_output", "call_id": c.call_id, "output": "sunny"}
               for c in calls]  # fmt: skip
-    stored = a.responses.create(
-        model=MODEL, input=output, previous_response_id=asked.id, tools=[space],
-        max_output_tokens=8, temperature=0,
-    )  # fmt: skip
-    resent = a.responses.create(
-        model=MODEL, tools=[space], max_output_tokens=8, temperature=0, store=False,
-        input=[
-            {"role": "user", "content": "What is the weather in Paris?"},
-            *[{"type": "function_call", "call_id": c.call_id, "name": c.name,
-               "namespace": c.namespace, "arguments": c.arguments} for c in calls],
-            *output,
-        ],
-    )  # fmt: skip
+    stored, resent = _continued(a, asked, calls, output, [space], 8, namespaced=True)
     assert stored.usage.input_tokens == resent.usage.input_tokens
     assert stored.output_text == resent.output_text
 

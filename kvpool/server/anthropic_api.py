@@ -260,17 +260,14 @@ def prompt(model: Any, body: MessagesBody) -> tuple[list[int], tools.ToolPlan]:
 
 
 def _think(model: Any, thinking: dict[str, Any] | None) -> bool | None:
-    """The request's ``thinking`` as the template's switch: ``disabled`` is off;
-    ``enabled`` / ``adaptive`` are on for a model that thinks, its default for one that
-    does not (no 400: Claude Code asks every model to think)."""
+    """The request's ``thinking`` as the template's switch (``reasoning.offered``):
+    ``disabled`` is off, ``enabled`` / ``adaptive`` on."""
     if thinking is None:
         return None
     kind = thinking.get("type")
     if kind not in ("enabled", "adaptive", "disabled"):
         raise bad_request("thinking.type: enabled, adaptive or disabled")
-    if kind == "disabled":
-        return False
-    return True if reasoning.thinks(model.chat_template) else None
+    return reasoning.offered(model, kind != "disabled")
 
 
 # -- reply ------------------------------------------------------------------------------

@@ -120,12 +120,9 @@ def generate_prompt(model: Any, body: GenerateBody) -> list[int]:
         extra = reasoning.template_kwargs(model, _think(body.think))
 
         def encode(more: dict[str, Any], start: str) -> list[int]:
-            return model.encode_chat(messages, **more, **({"prefill": start} if start else {}))
+            return model.encode_chat(messages, **more, prefill=start)
 
-        if body.format not in (None, "") and reasoning.thinks(model.chat_template):
-            ids = reasoning.closed(model, encode, extra)
-        else:
-            ids = encode(extra, "")
+        ids = reasoning.prompt_ids(model, encode, extra, constrained=body.format not in (None, ""))
     return model.check_tokens(list(body.context or []), "context") + ids
 
 

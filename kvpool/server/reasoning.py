@@ -18,7 +18,7 @@ block in the generation prompt itself (the reply then starts inside it).
   pieces it gives equal the whole text's split for any cut of the text (tested).
 
 A reply that a grammar holds from its first token (a response format, a forced tool call)
-has no room for reasoning: ``closed`` writes its prompt without it.
+has no room for reasoning: ``prompt_ids`` writes its prompt without it.
 
 Ollama returns the reasoning as ``thinking`` (``message.thinking`` in chat), chat
 completions as ``reasoning_content`` (the field llama.cpp's server and vLLM use),
@@ -73,21 +73,34 @@ def opens_thinking(model: Any, ids: list[int]) -> bool:
     return tail.rstrip().endswith(OPEN)
 
 
-def closed(
+def prompt_ids(
     model: Any,
     encode: Callable[[dict[str, Any], str], list[int]],
     extra: dict[str, Any],
     prefill: str = "",
+    constrained: bool = False,
 ) -> list[int]:
-    """The prompt of a thinking model's reply that a grammar holds from its first token (a
-    response format, a forced call): no reasoning fits there, so there is none. The
-    template's ``enable_thinking`` is false (Qwen3 writes an empty block), and a prompt
-    that still opens a block gets it closed (``encode(variables, prefill)``: the ids)."""
+    """A chat prompt's ids, ``encode(template variables, prefill)``. A thinking model's
+    reply that a grammar holds from its first token (``constrained``: a response format,
+    a forced call) has no room for reasoning, so there is none: the template's
+    ``enable_thinking`` is false (Qwen3 writes an empty block), and a prompt that still
+    opens a block gets it closed."""
+    if not (constrained and thinks(model.chat_template)):
+        return encode(extra, prefill)
     extra = {**extra, "enable_thinking": False}
     ids = encode(extra, prefill)
     if opens_thinking(model, ids):
         ids = encode(extra, CLOSE + "\n\n" + prefill)
     return ids
+
+
+def offered(model: Any, on: bool) -> bool | None:
+    """A switch some clients send to every model (Anthropic's ``thinking``, Responses'
+    ``reasoning.effort``): off is off; on is on for a model that thinks and that model's
+    default for one that does not (no 400: Claude Code and Codex send it unasked)."""
+    if not on:
+        return False
+    return True if thinks(model.chat_template) else None
 
 
 def splitter(model: Any, ids: list[int]) -> ThinkSplit | None:

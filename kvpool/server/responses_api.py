@@ -215,14 +215,10 @@ def prompt(
 
 
 def _think(model: Any, asked: dict[str, Any] | None) -> bool | None:
-    """``reasoning.effort`` as the template's switch: ``none`` is off; any other effort
-    is on for a model that thinks, its default for one that does not."""
+    """``reasoning.effort`` as the template's switch (``reasoning.offered``): ``none`` is
+    off, any other effort on."""
     effort = (asked or {}).get("effort")
-    if effort is None:
-        return None
-    if effort == "none":
-        return False
-    return True if reasoning.thinks(model.chat_template) else None
+    return None if effort is None else reasoning.offered(model, effort != "none")
 
 
 def new_response_id(tag: str) -> str:

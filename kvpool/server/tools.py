@@ -314,7 +314,7 @@ def prepare(
     reply, written for the model to continue (Anthropic's last assistant turn);
     ``template_extra``: more template variables (``enable_thinking``); ``constrained``:
     a response format's grammar holds the reply from its first token, as a forced call's
-    does, so a thinking model answers without reasoning (``reasoning.closed``)."""
+    does, so a thinking model answers without reasoning (``reasoning.prompt_ids``)."""
     tools = check_tools(raw_tools)
     template = model.chat_template
     fmt = tool_format(template)
@@ -326,14 +326,10 @@ def prepare(
 
     def encode(more: dict[str, Any], start: str) -> list[int]:
         try:
-            return model.encode_chat(
-                rendered, **{**extra, **more}, **({"prefill": start} if start else {})
-            )
+            return model.encode_chat(rendered, **{**extra, **more}, prefill=start)
         except ValueError as exc:  # the template refused the conversation
             raise bad_request(str(exc)) from None
 
-    if (constrained or forced is not None) and reasoning.thinks(template):
-        ids = reasoning.closed(model, encode, template_extra or {}, prefill)
-    else:
-        ids = encode(template_extra or {}, prefill)
+    constrained = constrained or forced is not None
+    ids = reasoning.prompt_ids(model, encode, template_extra or {}, prefill, constrained)
     return ids, ToolPlan(shown, fmt, forced)
