@@ -17,6 +17,8 @@ HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 512
 # qwen3's heads are wider than hidden / heads (Qwen3-0.6B: 16 heads of 128 over 1024), and
 # transformers' GGUF loader takes Qwen3Config's default head_dim, 128: so do these files
 QWEN3_HEAD_DIM = 128
+# qwen3moe: each layer's feed-forward is EXPERTS experts of EXPERT_INTER, USED per token
+EXPERTS, USED, EXPERT_INTER = 8, 2, 256
 
 
 def write_model(
@@ -25,9 +27,11 @@ def write_model(
     qtypes: dict[str, str],
     seed: int = 0,
     extra: dict[str, np.ndarray] | None = None,
+    counts: dict[str, int] | None = None,
 ) -> Path:
     """Write a tiny model; ``qtypes`` maps a tensor-name suffix (``attn_q.weight``...) to
-    a ggml type name; the rest is F32. ``extra``: more tensors, written as given."""
+    a ggml type name; the rest is F32. ``extra``: more tensors, written as given;
+    ``counts``: more metadata, unsigned integers by key."""
     import gguf
     from gguf.quants import quantize
 
@@ -48,11 +52,18 @@ def write_model(
     writer.add_token_merges([])
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
+    for key, value in (counts or {}).items():
+        writer.add_uint32(key, value)
 
-    head_dim = QWEN3_HEAD_DIM if arch == "qwen3" else HIDDEN // HEADS
-    if arch == "qwen3":
+    qwen3 = arch in ("qwen3", "qwen3moe")
+    head_dim = QWEN3_HEAD_DIM if qwen3 else HIDDEN // HEADS
+    if qwen3:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if arch == "qwen3moe":
+        writer.add_expert_count(EXPERTS)
+        writer.add_expert_used_count(USED)
+        writer.add_expert_feed_forward_length(EXPERT_INTER)
     shapes = {
         "token_embd.weight": (VOCAB, HIDDEN),
         "output_norm.weight": (HIDDEN,),
@@ -67,11 +78,21 @@ def write_model(
             p + "attn_v.weight": (KV_HEADS * head_dim, HIDDEN),
             p + "attn_output.weight": (HIDDEN, HEADS * head_dim),
             p + "ffn_norm.weight": (HIDDEN,),
-            p + "ffn_gate.weight": (INTER, HIDDEN),
-            p + "ffn_up.weight": (INTER, HIDDEN),
-            p + "ffn_down.weight": (HIDDEN, INTER),
         }
-        if arch == "qwen3":
+        if arch == "qwen3moe":  # stacked experts, and the router (F32, as llama.cpp keeps it)
+            shapes |= {
+                p + "ffn_gate_inp.weight": (EXPERTS, HIDDEN),
+                p + "ffn_gate_exps.weight": (EXPERTS, EXPERT_INTER, HIDDEN),
+                p + "ffn_up_exps.weight": (EXPERTS, EXPERT_INTER, HIDDEN),
+                p + "ffn_down_exps.weight": (EXPERTS, HIDDEN, EXPERT_INTER),
+            }
+        else:
+            shapes |= {
+                p + "ffn_gate.weight": (INTER, HIDDEN),
+                p + "ffn_up.weight": (INTER, HIDDEN),
+                p + "ffn_down.weight": (HIDDEN, INTER),
+            }
+        if qwen3:
             shapes |= {p + "attn_q_norm.weight": (head_dim,), p + "attn_k_norm.weight": (head_dim,)}
         if arch == "qwen2":
             shapes |= {
@@ -84,13 +105,17 @@ def write_model(
             data = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         else:
             data = (rng.standard_normal(shape) * 0.08).astype(np.float32)
-        qname = next((q for suffix, q in qtypes.items() if name.endswith(suffix)), "F32")
-        if qname == "F32" or len(shape) == 1:
+        # experts take the type of the dense matrix they stand for (ffn_gate_exps: ffn_gate)
+        plain = name.replace("_exps", "")
+        qname = next((q for suffix, q in qtypes.items() if plain.endswith(suffix)), "F32")
+        if qname == "F32" or len(shape) == 1 or name.endswith("ffn_gate_inp.weight"):
             writer.add_tensor(name, data)
         elif qname == "F16":
             writer.add_tensor(name, data.astype(np.float16))
         elif qname.endswith("_K"):
-            raw = random_blocks(qname, shape[0], shape[1], rng, scale=0.15)
+            rows = int(np.prod(shape[:-1]))
+            raw = random_blocks(qname, rows, shape[-1], rng, scale=0.15)
+            raw = raw.reshape(*shape[:-1], raw.shape[-1])
             writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qname])
         else:
             qtype = gguf.GGMLQuantizationType[qname]

@@ -60,7 +60,8 @@ def _decode(model, native_layers: bool, mode: Mode, steps: int = 3, store: str =
     attention), ``int8`` or ``varlen`` (every token through ``paged_attention``, as for
     a batch-invariant model)."""
     rng = random.Random(11)
-    prompts = [[rng.randrange(3, 49000) for _ in range(n)] for n in (5, 16, 47, 300)]
+    top = min(49000, model.vocab_rows)
+    prompts = [[rng.randrange(3, top) for _ in range(n)] for n in (5, 16, 47, 300)]
     layers = model._native_layers()
     assert layers is not None
     counted = _Counted(layers)
@@ -133,6 +134,26 @@ def test_native_layers_with_qk_norms(default_model_file):
     got = decode(True, True)
     assert torch.equal(got, decode(True, False))
     assert not torch.equal(got, decode(False, True))
+
+
+@pytest.mark.parametrize("int8_max_rows", [None, 1])
+@pytest.mark.parametrize("mode", list(Mode))
+def test_native_layers_with_experts(tmp_path, mode, int8_max_rows):
+    """A mixture of experts (qwen3moe) runs in the native call as ``_mixture`` runs it:
+    routing, the experts' products (each in the mode of its own rows: with a crossover
+    at one row, an expert two tokens chose takes float tiles, one a single token chose
+    int8, as QuantLinear would), the weighted sum."""
+    from kvpool.model.products import ProductPolicy
+    from tests.synthetic_gguf import write_model
+    from tests.test_synthetic_models import MIXES
+
+    path = write_model(tmp_path / "moe.gguf", "qwen3moe", MIXES["k-quants"], seed=4)
+    model = _model(path, torch.bfloat16, ProductPolicy(int8_max_rows=int8_max_rows))
+    got, got_kv = _decode(model, True, mode)
+    want, want_kv = _decode(model, False, mode)
+    assert torch.equal(got, want)
+    for a, b in zip(got_kv, want_kv, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_steps_it_does_not_cover_take_the_loop(int8_model, fp32_model):

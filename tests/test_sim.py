@@ -17,6 +17,7 @@ from kvpool.sim import (
     generate,
     kv_budget,
     load_trace,
+    model_from_gguf,
     model_from_hf_config,
     resolve_model,
     simulate,
@@ -181,6 +182,37 @@ def test_model_from_hf_config(tmp_path: Path):
     m = model_from_hf_config(tmp_path / "config.json")
     assert m.geometry(2).bytes_per_token == 131_072
     assert abs(m.num_parameters - 8_030_261_248) / 8e9 < 0.01  # Llama-3.1-8B
+    assert m.active_parameters == m.num_parameters and m.expert_share == 0.0
+
+
+def test_a_mixture_of_experts_costs_its_active_parameters(tmp_path: Path):
+    """Qwen3-30B-A3B's published config: 30.5 B parameters, ~3.3 B a token (its name's A3B);
+    a step reads the shared weights and only the experts its tokens touch, so one token
+    costs a fraction of a dense model's read, and a large batch nearly all of it."""
+    from kvpool.sim import RooflineCost, StepCost
+    from kvpool.sim.presets import DEVICE_PRESETS, MODEL_PRESETS
+
+    cfg = {
+        "num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+        "vocab_size": 151936, "max_position_embeddings": 40960,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = model_from_hf_config(tmp_path / "config.json")
+    preset = MODEL_PRESETS["qwen3-30b-a3b"]
+    assert m.num_parameters == preset.num_parameters - 48 * 2 * 128  # (no Q/K norms counted)
+    assert (m.experts, m.experts_used, m.expert_parameters) == (128, 8, preset.expert_parameters)
+    assert 3.2e9 < preset.active_parameters < 3.4e9
+    device = DEVICE_PRESETS["24GB"]
+    weights = preset.weight_bytes("q4")
+    moe = RooflineCost(device, weights, preset.active_parameters, 0,
+                       expert_share=preset.expert_share, expert_pick=8 / 128)  # fmt: skip
+    dense = RooflineCost(device, weights, preset.num_parameters, 0)
+    assert moe.weights_read(1) < 0.2 * weights and moe.weights_read(256) > 0.99 * weights
+    one, many = (StepCost(n, 0, 0) for n in (1, 64))
+    assert moe.step_time(one) < 0.2 * dense.step_time(one)
+    assert moe.step_time(many) < dense.step_time(many)
 
 
 def test_trace_round_trip(tmp_path: Path):
@@ -285,3 +317,13 @@ def test_cli_html_writes_the_live_view_of_the_replay(tmp_path: Path, capsys):
         assert all(states[b] & 0x3F or states[b] & 0x40 for b in used)  # held blocks
     assert any(f["counts"]["shared"] for f in frames)  # the seed's shared system prompts
     assert frames[-1]["pool"]["prefix_hit_tokens"] == rows["paged+prefix"]["prompt_tokens_cached"]
+
+
+def test_model_from_gguf_reads_a_mixture_of_experts(tmp_path: Path):
+    pytest.importorskip("gguf")
+    from tests.synthetic_gguf import EXPERT_INTER, EXPERTS, HIDDEN, LAYERS, USED, write_model
+
+    m = model_from_gguf(write_model(tmp_path / "moe.gguf", "qwen3moe", {}))
+    assert (m.experts, m.experts_used) == (EXPERTS, USED)
+    assert m.expert_parameters == LAYERS * EXPERTS * 3 * EXPERT_INTER * HIDDEN
+    assert m.active_parameters < m.num_parameters

@@ -1,4 +1,4 @@
-"""Loader and model beyond one file: small random GGUF models of both architectures and
+"""Loader and model beyond one file: small random GGUF models of every architecture and
 many ggml types, against transformers loading the same files."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kvpool.model.gguf_weights import (  # noqa: E402
 )
 from kvpool.model.llama import LlamaModel  # noqa: E402
 from tests.paged_runner import Chunk, PagedRunner  # noqa: E402
-from tests.synthetic_gguf import write_model  # noqa: E402
+from tests.synthetic_gguf import EXPERT_INTER, EXPERTS, USED, write_model  # noqa: E402
 
 MIXES = {
     "legacy": {
@@ -59,17 +59,28 @@ def _logits(model, prompt: list[int]) -> torch.Tensor:
     return torch.cat([prefill, decode])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def _reference(path: Path, arch: str):
+    """transformers' model of the file. Its GGUF loader does not read a qwen3moe file's
+    expert width (it takes Qwen3MoeConfig's default, 768): given here."""
+    more = {"moe_intermediate_size": EXPERT_INTER} if arch == "qwen3moe" else {}
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32, **more
+    )
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe"])
 @pytest.mark.parametrize("mix", sorted(MIXES))
 def test_random_model_matches_reference(tmp_path: Path, arch: str, mix: str):
+    """qwen3moe: each layer's feed-forward a mixture of experts, the expert stacks in the
+    mix's types (experts take the type of the matrix they stand for), the router F32."""
     path = write_model(tmp_path / f"{arch}-{mix}.gguf", arch, MIXES[mix], seed=len(arch + mix))
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file=path.name, dtype=torch.float32
-    )
+    reference = _reference(path, arch)
     quantized = _native() is not None  # the weights in their blocks, as the runtime has them
     config, weights = load_gguf_weights(path, quantized=quantized)
     assert config.architecture == arch and config.attention_bias == (arch == "qwen2")
-    assert config.qk_norm == (arch == "qwen3")
+    assert config.qk_norm == arch.startswith("qwen3")
+    moe = (EXPERTS, USED, EXPERT_INTER) if arch == "qwen3moe" else (0, 0, 0)
+    assert (config.experts, config.experts_used, config.expert_ffn) == moe
     model = LlamaModel(config, weights, torch.device("cpu"), torch.float32)
     if quantized:
         assert isinstance(model.embed, QuantizedRows)
@@ -100,21 +111,24 @@ def test_int8_products_stay_near_the_float_products(tmp_path: Path, mix: str):
 
 
 @pytest.mark.skipif(_native() is None, reason="the native ops are not built here")
-def test_qwen3_serving_path_stays_near_float32(tmp_path: Path):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
+def test_qwen3_serving_path_stays_near_float32(tmp_path: Path, arch: str):
     """A qwen3 file as ``kvpool serve`` runs it (bfloat16, int8 products, a decode step's
-    layers and their Q/K norms in one native call) against its float32 float-product
-    reference. The median row: a tiny random model has positions where bf16's rounding
-    alone (float products too) flips a near-tie in a hidden state and moves a few rows'
-    logits by the whole scale, in llama files as in qwen3 ones."""
+    layers and their Q/K norms in one native call; a qwen3moe file's experts through the
+    same products) against its float32 float-product reference. The median row: a tiny
+    random model has positions where bf16's rounding alone (float products too) flips a
+    near-tie in a hidden state and moves a few rows' logits by the whole scale, in llama
+    files as in qwen3 ones."""
     from kvpool.model.products import ProductPolicy
 
-    path = write_model(tmp_path / "qwen3.gguf", "qwen3", MIXES["k-quants"], seed=9)
+    path = write_model(tmp_path / f"{arch}.gguf", arch, MIXES["k-quants"], seed=9)
     logits, models = {}, {}
     for dtype, policy in ((torch.float32, ProductPolicy(exact=True)), (torch.bfloat16, None)):
         config, weights = load_gguf_weights(path, dtype, quantized=True)
         models[dtype] = LlamaModel(config, weights, torch.device("cpu"), dtype, policy)
         logits[dtype] = _logits(models[dtype], [(5 * i + 2) % 500 for i in range(40)])
-    assert models[torch.bfloat16]._decode_layers  # its decode step took the native call
+    if arch == "qwen3":
+        assert models[torch.bfloat16]._decode_layers  # its decode step took the native call
     scale = logits[torch.float32].abs().max().item()
     rows = (logits[torch.bfloat16] - logits[torch.float32]).abs().amax(dim=-1)
     assert scale > 1.0 and rows.median().item() < 0.25 * INT8_LOGIT_BOUND * scale, (rows, scale)
@@ -197,11 +211,94 @@ def test_quantized_weights_are_kept_once_in_their_blocks(tmp_path):
     assert isinstance(kept["blk.0.attn_norm.weight"], torch.Tensor)
 
 
+@pytest.mark.skipif(_native() is None, reason="the native ops are not built here")
+@pytest.mark.parametrize("packed", [False, True])
+def test_experts_are_views_of_their_stack(tmp_path: Path, packed: bool):
+    """A stack of experts is held once, as the file's blocks (packed or not); the model's
+    experts are views of it, each the rows of its own expert, and multiply as the whole
+    stack's rows do."""
+    from kvpool.model.native import kernel_variant
+    from kvpool.model.products import ProductPolicy
+
+    path = write_model(tmp_path / "moe.gguf", "qwen3moe", MIXES["k-quants"])
+    variant = kernel_variant() if packed else None
+    _, kept = load_gguf_weights(path, quantized=True, pack_variant=variant)
+    stack = kept["blk.1.ffn_up_exps.weight"]
+    assert isinstance(stack, QuantizedMatrix) and stack.shape == (EXPERTS * EXPERT_INTER, 256)
+    rows = EXPERTS * EXPERT_INTER  # Q4_K: the file's 144 bytes per 256 values, or packed
+    size = _native().quant_packed_bytes(12, rows, 256) if packed else rows * 144
+    assert stack.packed == packed and stack.nbytes == size
+    experts = stack.split(EXPERTS)
+    assert all(e.raw.data_ptr() == stack.raw[0].data_ptr() + i * e.nbytes
+               for i, e in enumerate(experts))  # fmt: skip
+    x = torch.randn(3, 256)
+    ops, mode = _native(), 1  # float products: the dequantized rows
+    whole = ops.quant_matmul(x, [stack.raw], [stack.native_type], mode, "", False)
+    for i, expert in enumerate(experts):
+        part = ops.quant_matmul(x, [expert.raw], [expert.native_type], mode, "", False)
+        assert torch.equal(part, whole[:, i * EXPERT_INTER : (i + 1) * EXPERT_INTER])
+    with pytest.raises(ValueError):
+        stack.split(3)
+    config, weights = load_gguf_weights(path, quantized=True, pack_variant=variant)
+    model = LlamaModel(config, weights, torch.device("cpu"), torch.bfloat16, ProductPolicy())
+    moe = model.layers[1].experts
+    assert model.layers[1].gate_up is None and len(moe.gate_up) == EXPERTS
+    assert moe.router.dtype == torch.float32 and moe.router.shape == (EXPERTS, 256)
+
+
+@pytest.mark.skipif(_native() is None, reason="the native ops are not built here")
+def test_native_mixture_computes_the_torch_mixture(tmp_path: Path):
+    """The native ``MixtureOfExperts`` (what a bf16 model runs, prefill and decode) against
+    the torch mixture (float32's, which the reference test holds to transformers), on the
+    same float products: the same experts for every token and the same sums, up to
+    float32 rounding."""
+    from kvpool.model.products import FLOAT, INT8
+
+    path = write_model(tmp_path / "moe.gguf", "qwen3moe", MIXES["k-quants"], seed=6)
+    config, weights = load_gguf_weights(path, quantized=True)
+    model = LlamaModel(config, weights, torch.device("cpu"), torch.float32)
+    experts = model.layers[1].experts
+    native = experts.native_for(_native())
+    h = torch.randn(37, 256, generator=torch.Generator().manual_seed(2))
+    want = model._mixture(h, experts)  # float32: torch's ops
+    scale = want.abs().max().item()
+    got = native.run(h, FLOAT, -1, "")
+    assert scale > 0.1 and (got - want).abs().max().item() < 1e-5 * scale
+    # int8 products are the batch-invariant ones: a token alone gets what it gets in a batch
+    batch = native.run(h, INT8, -1, "")
+    assert torch.equal(native.run(h[5:6].contiguous(), INT8, -1, ""), batch[5:6])
+    # a mixture of one expert in eight is that expert's feed-forward, unweighted
+    alone = _native().MixtureOfExperts(
+        experts.router, [(p.raws, p.types, None) for p in experts.gate_up],
+        [(p.raws, p.types, None) for p in experts.down], 1,
+    )  # fmt: skip
+    first = int(torch.nn.functional.linear(h[:1], experts.router).argmax())
+    plain = experts.down[first](model._silu_mul(experts.gate_up[first](h[:1])))
+    assert (alone.run(h[:1].contiguous(), FLOAT, -1, "") - plain).abs().max() < 1e-5 * scale
+
+
+def test_unsupported_mixtures_are_refused(tmp_path: Path):
+    """Shared experts (qwen2moe's kind) are refused with the reason, not run wrong."""
+    import numpy as np
+
+    from kvpool.model.config import UnsupportedModel
+
+    shared = {"blk.0.ffn_gate_shexp.weight": np.zeros((64, 256), np.float32)}
+    path = write_model(tmp_path / "shared.gguf", "qwen3moe", {}, extra=shared)
+    with pytest.raises(UnsupportedModel, match="shared experts"):
+        load_gguf_weights(path)
+    # a llama file with experts (Mixtral's kind) is refused, not run as a dense model
+    path = write_model(tmp_path / "mixtral.gguf", "llama", {}, counts={"llama.expert_count": 8})
+    with pytest.raises(UnsupportedModel, match="mixture of experts in a llama file"):
+        load_gguf_weights(path)
+
+
 # Parameter counts the models' publishers state (Hugging Face configs' totals).
 PUBLISHED_PARAMETERS = {
     "smollm2-135m": 134_515_008, "llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824,
     "llama-3.1-8b": 8_030_261_248, "qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920,
     "qwen3-1.7b": 1_720_574_976, "qwen3-4b": 4_022_468_096, "qwen3-8b": 8_190_735_360,
+    "qwen3-30b-a3b": 30_532_122_624,
 }  # fmt: skip
 
 
@@ -218,24 +315,34 @@ def test_synth_model_presets_have_the_published_sizes():
 
 
 @pytest.mark.parametrize("mix", ["Q4_K_M", "Q4_0", "Q8_0"])
-def test_synth_model_writes_a_qwen3_file_the_runtime_loads(tmp_path: Path, mix: str):
+@pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-30b-a3b"])
+def test_synth_model_writes_a_qwen3_file_the_runtime_loads(tmp_path: Path, mix: str, preset):
     """A qwen3 geometry shrunk to test size, written by ``kvpool bench synth-model``'s
-    writer: wide heads (128 over a hidden size of 256), Q/K norms, the mix's types; the
-    runtime reads its geometry back and computes finite, moving logits from it."""
+    writer: wide heads (128 over a hidden size of 256), Q/K norms, the mix's types (and
+    for the mixture of experts, stacked experts and an F32 router); the runtime reads its
+    geometry back and computes finite, moving logits from it."""
     import dataclasses
 
     from kvpool.bench.synth_model import PRESETS, write
     from kvpool.formats.gguf_header import read_gguf_header
 
     tiny = dataclasses.replace(
-        PRESETS["qwen3-0.6b"], hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, vocab=2048
+        PRESETS[preset], hidden=256, layers=2, heads=4, kv_heads=2, ffn=512, vocab=2048
     )
+    if tiny.experts:
+        tiny = dataclasses.replace(tiny, experts=8, experts_used=2, expert_ffn=256)
     path = write(tiny, mix, tmp_path / "tiny.gguf", progress=False)
-    types = {t.name: t.ggml_type for t in read_gguf_header(path).tensors}
+    infos = {t.name: t for t in read_gguf_header(path).tensors}
+    types = {name: t.ggml_type for name, t in infos.items()}
     assert len(set(types.values())) >= (3 if mix == "Q4_K_M" else 2)  # F32 norms too
+    if tiny.experts:
+        assert tuple(infos["blk.0.ffn_down_exps.weight"].shape) == (256, 256, 8)  # ggml order
+        assert types["blk.0.ffn_gate_inp.weight"] == 0  # F32
+        assert types["blk.0.ffn_down_exps.weight"] == types["blk.0.attn_v.weight"]
     config, weights = load_gguf_weights(path, quantized=_native() is not None)
-    assert (config.architecture, config.head_dim, config.q_size) == ("qwen3", 128, 512)
+    assert (config.architecture, config.head_dim, config.q_size) == (tiny.arch, 128, 512)
     assert config.qk_norm and config.context_length == 40960
+    assert (config.experts, config.experts_used) == (tiny.experts, tiny.experts_used)
     model = LlamaModel(config, weights, torch.device("cpu"), torch.float32)
     logits = _logits(model, [(3 * i + 7) % 2000 for i in range(20)])
     assert logits.isfinite().all() and logits.std() > 0.1

@@ -39,6 +39,9 @@ class Geometry:
     context: int = 8192
     llama3_rope: bool = False  # a rope_freqs tensor (Llama 3.1/3.2 frequency scaling)
     key_length: int = 0  # a head's width where it is not hidden / heads (qwen3)
+    experts: int = 0  # a mixture of experts in each layer (qwen3moe): how many
+    experts_used: int = 0  # per token
+    expert_ffn: int = 0  # each expert's feed-forward width
 
     @property
     def head_dim(self) -> int:
@@ -57,6 +60,20 @@ PRESETS = {
     "qwen3-1.7b": Geometry("qwen3", 2048, 28, 16, 8, 6144, 151936, True, **_Q3),
     "qwen3-4b": Geometry("qwen3", 2560, 36, 32, 8, 9728, 151936, True, **_Q3),
     "qwen3-8b": Geometry("qwen3", 4096, 36, 32, 8, 12288, 151936, False, **_Q3),
+    "qwen3-30b-a3b": Geometry(
+        "qwen3moe",
+        2048,
+        48,
+        32,
+        4,
+        6144,
+        151936,
+        False,
+        experts=128,
+        experts_used=8,
+        expert_ffn=768,
+        **_Q3,
+    ),
 }
 MIXES = ("Q4_0", "Q8_0", "Q4_K_M")
 FILE_TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15}  # llama.cpp's general.file_type
@@ -71,6 +88,7 @@ def _more_bits(layer: int, layers: int) -> bool:
 def tensor_type(mix: str, name: str, layer: int, geometry: Geometry) -> str:
     """The ggml type of one matrix under ``mix`` (1-D tensors are F32)."""
     head = name == "output.weight" or (name == "token_embd.weight" and geometry.tied)
+    name = name.replace("_exps", "")  # experts: the type of the matrix they stand for
     if mix == "Q8_0":
         qtype = "Q8_0"
     elif mix == "Q4_0":
@@ -94,7 +112,7 @@ def _shapes(g: Geometry) -> list[tuple[str, tuple[int, ...], int]]:
             (p + "attn_k.weight", (g.kv_heads * g.head_dim, g.hidden), i),
             (p + "attn_v.weight", (g.kv_heads * g.head_dim, g.hidden), i),
         ]
-        if g.arch == "qwen3":
+        if g.arch in ("qwen3", "qwen3moe"):
             out += [
                 (p + "attn_q_norm.weight", (g.head_dim,), i),
                 (p + "attn_k_norm.weight", (g.head_dim,), i),
@@ -108,10 +126,21 @@ def _shapes(g: Geometry) -> list[tuple[str, tuple[int, ...], int]]:
         out += [
             (p + "attn_output.weight", (g.hidden, g.heads * g.head_dim), i),
             (p + "ffn_norm.weight", (g.hidden,), i),
-            (p + "ffn_gate.weight", (g.ffn, g.hidden), i),
-            (p + "ffn_up.weight", (g.ffn, g.hidden), i),
-            (p + "ffn_down.weight", (g.hidden, g.ffn), i),
         ]
+        if g.experts:  # the router (kept F32, as llama.cpp's quantize keeps it), stacks
+            e, f = g.experts, g.expert_ffn
+            out += [
+                (p + "ffn_gate_inp.weight", (e, g.hidden), i),
+                (p + "ffn_gate_exps.weight", (e, f, g.hidden), i),
+                (p + "ffn_up_exps.weight", (e, f, g.hidden), i),
+                (p + "ffn_down_exps.weight", (e, g.hidden, f), i),
+            ]
+        else:
+            out += [
+                (p + "ffn_gate.weight", (g.ffn, g.hidden), i),
+                (p + "ffn_up.weight", (g.ffn, g.hidden), i),
+                (p + "ffn_down.weight", (g.hidden, g.ffn), i),
+            ]
     out.append(("output_norm.weight", (g.hidden,), -1))
     if not g.tied:
         out.append(("output.weight", (g.vocab, g.hidden), -1))
@@ -145,13 +174,16 @@ CHATML = (
 
 
 def _data(name: str, shape: tuple[int, ...], qtype: str, g: Geometry, rng) -> np.ndarray:
+    if name.endswith("ffn_gate_inp.weight"):  # a router: logits of about unit spread
+        return (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32)
     if len(shape) == 1:
         if name == "rope_freqs.weight":
             return np.linspace(1.0, 8.0, shape[0]).astype(np.float32)
         if name.endswith("bias"):
             return (0.02 * rng.standard_normal(shape)).astype(np.float32)
         return (1.0 + 0.05 * rng.standard_normal(shape)).astype(np.float32)
-    return random_blocks(qtype, shape[0], shape[1], rng, scale=WEIGHT_SCALE)
+    rows = int(np.prod(shape[:-1]))  # (a stack of experts: all their rows)
+    return random_blocks(qtype, rows, shape[-1], rng, scale=WEIGHT_SCALE)
 
 
 def write(
@@ -179,6 +211,10 @@ def write(
     if g.key_length:
         writer.add_key_length(g.head_dim)
         writer.add_value_length(g.head_dim)
+    if g.experts:
+        writer.add_expert_count(g.experts)
+        writer.add_expert_used_count(g.experts_used)
+        writer.add_expert_feed_forward_length(g.expert_ffn)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(g.rope_theta)
     writer.add_vocab_size(g.vocab)
@@ -196,17 +232,19 @@ def write(
     tensors = _shapes(g)
     plan = []
     for name, shape, layer in tensors:
-        qtype = "F32" if len(shape) == 1 else tensor_type(mix, name, layer, g)
-        if qtype.endswith("_K") and shape[1] % 256:
+        router = name.endswith("ffn_gate_inp.weight")
+        qtype = "F32" if len(shape) == 1 or router else tensor_type(mix, name, layer, g)
+        if qtype.endswith("_K") and shape[-1] % 256:
             qtype = "Q8_0"  # rows that are not whole 256-blocks (llama.cpp falls back too)
         plan.append((name, shape, qtype))
         if qtype == "F32":
             writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
         else:
             _, elems, size, _, _ = TYPES[qtype]
-            nbytes = shape[0] * shape[1] // elems * size
+            row_bytes = shape[-1] // elems * size
+            nbytes = int(np.prod(shape[:-1])) * row_bytes
             writer.add_tensor_info(
-                name, (shape[0], shape[1] // elems * size), np.dtype(np.uint8), nbytes,
+                name, (*shape[:-1], row_bytes), np.dtype(np.uint8), nbytes,
                 raw_dtype=gguf.GGMLQuantizationType[qtype],
             )  # fmt: skip
     writer.write_header_to_file()

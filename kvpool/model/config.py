@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from kvpool.cache import ModelGeometry
 from kvpool.formats.gguf_header import GGUFHeader
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
 
 
 class UnsupportedModel(ValueError):
@@ -31,6 +31,12 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v biases (qwen2)
     qk_norm: bool = False  # per-head RMSNorm of Q and K before the rotation (qwen3)
+    # A mixture of experts in place of each layer's feed-forward (qwen3moe): each token
+    # goes through ``experts_used`` of ``experts`` feed-forwards of ``expert_ffn`` wide,
+    # chosen and weighted by a router (0: one dense feed-forward of ``intermediate_size``).
+    experts: int = 0
+    experts_used: int = 0
+    expert_ffn: int = 0
 
     @property
     def q_size(self) -> int:
@@ -62,6 +68,22 @@ class ModelConfig:
         head_dim = int(header.arch_value("attention.key_length", hidden // heads))
         if int(header.arch_value("attention.value_length", head_dim)) != head_dim:
             raise UnsupportedModel("value heads of another width than key heads are not supported")
+        experts = int(header.arch_value("expert_count", 0) or 0)
+        if experts and arch != "qwen3moe":  # (Mixtral's llama files: other routing defaults)
+            raise UnsupportedModel(f"a mixture of experts in a {arch} file is not supported")
+        if experts and (
+            header.arch_value("expert_shared_count") or "blk.0.ffn_gate_shexp.weight" in names
+        ):
+            raise UnsupportedModel("shared experts are not supported")
+        if experts and "blk.0.ffn_gate_exps.weight" not in names:
+            raise UnsupportedModel("experts in another layout than ffn_*_exps are not supported")
+        expert_ffn, experts_used = 0, 0
+        if experts:
+            gate = next(t for t in header.tensors if t.name == "blk.0.ffn_gate_exps.weight")
+            expert_ffn = int(header.arch_value("expert_feed_forward_length", gate.shape[1]))
+            experts_used = int(header.arch_value("expert_used_count", 0) or 0)
+            if not 0 < experts_used <= experts:
+                raise UnsupportedModel(f"{experts_used} experts used of {experts}")
         tokens = header.metadata.get("tokenizer.ggml.tokens")
         vocab = int(header.arch_value("vocab_size", len(tokens) if tokens else 0))
         if not vocab:
@@ -72,7 +94,7 @@ class ModelConfig:
             name=str(header.metadata.get("general.name", header.path.stem)),
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(header.arch_value("feed_forward_length")),
+            intermediate_size=int(header.arch_value("feed_forward_length", expert_ffn)),
             num_layers=int(header.arch_value("block_count")),
             num_heads=heads,
             num_kv_heads=int(kv_heads),
@@ -83,4 +105,7 @@ class ModelConfig:
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
             qk_norm="blk.0.attn_q_norm.weight" in names,
+            experts=experts,
+            experts_used=experts_used,
+            expert_ffn=expert_ffn,
         )

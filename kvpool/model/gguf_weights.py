@@ -81,6 +81,16 @@ class QuantizedMatrix:
         self.packed = True
         return True
 
+    def split(self, parts: int) -> list[QuantizedMatrix]:
+        """The matrix as ``parts`` matrices of equal height, top to bottom (a stack of
+        experts, one per expert): views of the same bytes, packed or not."""
+        if self.rows % parts or (self.packed and (self.rows // parts) % 8):
+            raise ValueError(f"{self.rows} rows do not split into {parts} matrices")
+        return [
+            QuantizedMatrix(raw, self.qtype, self.cols, self.packed)
+            for raw in self.raw.chunk(parts)
+        ]
+
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 ``[rows, cols]`` (all rows, or the ones ``rows`` selects): natively
         where the ops are built, else with the gguf package's numpy kernels (the same
@@ -178,7 +188,7 @@ def load_gguf_weights(
             if info.name in plan:
                 size, packs = plan[info.name]
                 target = arena.take(size)
-                n = info.shape[1]
+                n = _matrix_rows(info)
                 if packs or heads:  # staged, then reordered and/or packed into the arena
                     if staging.numel() < info.num_bytes:
                         staging = torch.empty(info.num_bytes, dtype=torch.uint8)
@@ -207,6 +217,15 @@ def load_gguf_weights(
     return config, weights
 
 
+def _matrix_rows(info: GGUFTensorInfo) -> int:
+    """Rows of a matrix, or of a stack of experts' matrices (ggml ``[cols, rows, experts]``)
+    held as one: expert ``e``'s rows are ``e * rows .. (e + 1) * rows - 1``."""
+    rows = 1
+    for n in info.shape[1:]:
+        rows *= int(n)
+    return rows
+
+
 def _read_into(file, buffer: torch.Tensor, info: GGUFTensorInfo) -> torch.Tensor:
     if file.readinto(memoryview(buffer.numpy())) != info.num_bytes:
         raise UnsupportedModel(f"tensor {info.name}: the file ends inside its data")
@@ -226,10 +245,12 @@ def _plan(
     ops = _native() if pack_variant is not None else None
     plan = {}
     for info in header.tensors:
-        if info.ggml_type not in KEPT_QUANTIZED or len(info.shape) != 2:
+        if info.ggml_type not in KEPT_QUANTIZED or len(info.shape) not in (2, 3):
             continue
-        cols, rows = info.shape
-        packs = ops is not None and rows % 8 == 0 and ops.quant_packs(info.ggml_type, pack_variant)
+        cols, rows = info.shape[0], _matrix_rows(info)
+        # a stack of experts packs as one matrix whose 8-row groups never straddle two
+        packs = ops is not None and info.shape[1] % 8 == 0
+        packs = packs and ops.quant_packs(info.ggml_type, pack_variant)
         size = ops.quant_packed_bytes(info.ggml_type, rows, cols) if packs else info.num_bytes
         plan[info.name] = (size, packs)
     return plan

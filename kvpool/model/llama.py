@@ -1,4 +1,4 @@
-"""LLaMA-family decoder (llama, qwen2, qwen3) over a paged KV store.
+"""LLaMA-family decoder (llama, qwen2, qwen3, qwen3moe) over a paged KV store.
 
 One forward pass takes a flat batch of tokens from several sequences (a prefill chunk of
 one, a single decode token of another) and their ``AttentionBatch``: where each new
@@ -61,15 +61,57 @@ def can_prepack() -> bool:
 
 
 @dataclass
+class _Experts:
+    """A layer's mixture of experts (qwen3moe): a float32 ``router`` ``[experts, hidden]``
+    and each expert's feed-forward, ``gate_up[e]`` ``[2 expert_ffn, hidden]`` (fused) and
+    ``down[e]``. Quantized experts are views of the file's stacked blocks (one copy)."""
+
+    router: torch.Tensor
+    gate_up: list[Linear | QuantLinear]
+    down: list[Linear | QuantLinear]
+    used: int
+    native: Any = None  # the native MixtureOfExperts of the same products (``native_for``)
+
+    def native_for(self, ops: Any) -> Any:
+        """The native ``MixtureOfExperts`` (decode_layers.h) of these experts, built once;
+        None where a product is not quantized (an F16 file's experts)."""
+        if self.native is None:
+            products = self.gate_up + self.down
+            self.native = False
+            if all(isinstance(p, QuantLinear) for p in products):
+                gate_up, down = _parts(self.gate_up), _parts(self.down)
+                self.native = ops.MixtureOfExperts(self.router, gate_up, down, self.used)
+        return self.native or None
+
+    def numel(self) -> int:
+        products = sum(p.numel() for p in self.gate_up) + sum(p.numel() for p in self.down)
+        return self.router.numel() + products
+
+
+@dataclass
 class _Layer:
     attn_norm: torch.Tensor
     qkv: Linear | QuantLinear  # [q + 2 kv, hidden], fused
     o: Linear | QuantLinear
     ffn_norm: torch.Tensor
-    gate_up: Linear | QuantLinear  # [2 inter, hidden], fused
-    down: Linear | QuantLinear
+    gate_up: Linear | QuantLinear | None  # [2 inter, hidden], fused (None: experts)
+    down: Linear | QuantLinear | None
     q_norm: torch.Tensor | None = None  # [head_dim]: each Q head's RMSNorm (qwen3)
     k_norm: torch.Tensor | None = None  # [head_dim]: each K head's
+    experts: _Experts | None = None  # in place of gate_up and down (qwen3moe)
+
+
+def _products(layer: _Layer) -> list[Any]:
+    """Every matrix product of a layer (an expert's included)."""
+    products: list[Any] = [layer.qkv, layer.o]
+    if layer.experts is None:
+        return [*products, layer.gate_up, layer.down]
+    return products + layer.experts.gate_up + layer.experts.down
+
+
+def _parts(products: list[Any]) -> list[tuple[Any, Any, Any]]:
+    """``DecodeLayers``' form of quantized products: (raws, types, bias) each."""
+    return [(p.raws, p.types, p.bias) for p in products]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -115,8 +157,30 @@ class LlamaModel:
                 tensor = tensor.dequantize()
             return tensor.to(device=device, dtype=dtype).contiguous()
 
+        def per_expert(names: list[str]) -> list[Linear | QuantLinear]:
+            # each stacked tensor [experts, rows, cols] cut into its experts' matrices
+            stacks = [weights.pop(name) for name in names]
+            cut = [
+                m.split(config.experts) if isinstance(m, QuantizedMatrix) else list(m.unbind(0))
+                for m in stacks
+            ]
+            return [product(list(parts)) for parts in zip(*cut, strict=True)]
+
+        def experts(p: str) -> _Experts:
+            router = weights.pop(p + "ffn_gate_inp.weight")
+            if isinstance(router, QuantizedMatrix):
+                router = router.dequantize()
+            return _Experts(
+                router.to(device=device, dtype=torch.float32).contiguous(),
+                per_expert([p + "ffn_gate_exps.weight", p + "ffn_up_exps.weight"]),
+                per_expert([p + "ffn_down_exps.weight"]),
+                config.experts_used,
+            )
+
         def linear(names: list[str], bias: torch.Tensor | None = None) -> Linear | QuantLinear:
-            parts = [weights.pop(name) for name in names]
+            return product([weights.pop(name) for name in names], bias)
+
+        def product(parts: list[Any], bias: torch.Tensor | None = None) -> Linear | QuantLinear:
             if device.type == "cpu" and all(isinstance(p, QuantizedMatrix) for p in parts):
                 return QuantLinear(parts, bias, self.products)  # type: ignore[arg-type]
             dense = [p.dequantize() if isinstance(p, QuantizedMatrix) else p for p in parts]
@@ -145,6 +209,7 @@ class LlamaModel:
             bias = None
             if config.attention_bias:
                 bias = torch.cat([w(p + "attn_q.bias"), w(p + "attn_k.bias"), w(p + "attn_v.bias")])
+            moe = experts(p) if config.experts else None
             self.layers.append(
                 _Layer(
                     attn_norm=w(p + "attn_norm.weight"),
@@ -153,10 +218,11 @@ class LlamaModel:
                     ),
                     o=linear([p + "attn_output.weight"]),
                     ffn_norm=w(p + "ffn_norm.weight"),
-                    gate_up=linear([p + "ffn_gate.weight", p + "ffn_up.weight"]),
-                    down=linear([p + "ffn_down.weight"]),
+                    gate_up=None if moe else linear([p + "ffn_gate.weight", p + "ffn_up.weight"]),
+                    down=None if moe else linear([p + "ffn_down.weight"]),
                     q_norm=w(p + "attn_q_norm.weight") if config.qk_norm else None,
                     k_norm=w(p + "attn_k_norm.weight") if config.qk_norm else None,
+                    experts=moe,
                 )
             )
         d = config.head_dim
@@ -208,7 +274,10 @@ class LlamaModel:
             n += self.lm_head.numel()
         for layer in self.layers:
             n += layer.attn_norm.numel() + layer.ffn_norm.numel()
-            n += sum(lin.numel() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+            products = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            n += sum(lin.numel() for lin in products if lin is not None)
+            if layer.experts is not None:
+                n += layer.experts.numel()
             if layer.q_norm is not None and layer.k_norm is not None:
                 n += layer.q_norm.numel() + layer.k_norm.numel()
         return n
@@ -251,7 +320,7 @@ class LlamaModel:
             x = layers.run(
                 x, cos, sin_signed, batch.slot_mapping, tables, lens, kv.layers, kv.block_size,
                 self.products.mode(x.shape[0]), self.heavy_threads, attention.native_heavy,
-                self.products.variant, starts,
+                self.products.variant, starts, self._int8_max_rows(),
             )  # fmt: skip
         else:
             x = self._layers(x, batch, kv, attention, cos, sin_signed)
@@ -286,7 +355,7 @@ class LlamaModel:
                 q = self._rope_write_kv(qkv, cos, sin_signed, kv, i, batch.slot_mapping)
             out = attention(q, i)
             x, h = self._add_norm(x, self._heavy(layer.o, out), layer.ffn_norm)
-            y = self._heavy(layer.down, self._silu_mul(self._heavy(layer.gate_up, h)))
+            y = self._feed_forward(h, layer)
             if i + 1 < len(self.layers):
                 x, h = self._add_norm(x, y, self.layers[i + 1].attn_norm)
             else:
@@ -304,19 +373,75 @@ class LlamaModel:
         if ops is None:  # (a test may take them away for a while: nothing is decided)
             return None
         if self._decode_layers is None:
-            products = [(lr.qkv, lr.o, lr.gate_up, lr.down) for lr in self.layers]
+            products = [_products(lr) for lr in self.layers]
             quantized = all(isinstance(p, QuantLinear) for ps in products for p in ps)
             self._decode_layers = False
             if self.dtype == torch.bfloat16 and quantized:
                 cfg = self.config
                 stack = ops.DecodeLayers(cfg.num_heads, cfg.rms_norm_eps, cfg.head_dim**-0.5)
-                for layer, ps in zip(self.layers, products, strict=True):
-                    parts = [(p.raws, p.types, p.bias) for p in ps]  # type: ignore[union-attr]
-                    stack.add_layer(
-                        layer.attn_norm, layer.ffn_norm, parts, layer.q_norm, layer.k_norm
-                    )
+                for layer in self.layers:
+                    norms = (layer.attn_norm, layer.ffn_norm)
+                    qk = (layer.q_norm, layer.k_norm)
+                    moe = layer.experts
+                    if moe is None:
+                        parts = _parts([layer.qkv, layer.o, layer.gate_up, layer.down])
+                        stack.add_layer(*norms, parts, *qk)
+                    else:
+                        parts = _parts([layer.qkv, layer.o])
+                        stack.add_moe_layer(*norms, parts, *qk, moe.native_for(ops))
                 self._decode_layers = stack
         return self._decode_layers or None
+
+    def _feed_forward(self, h: torch.Tensor, layer: _Layer) -> torch.Tensor:
+        """The layer's feed-forward of the normed hidden states ``h``: one, or the
+        token's chosen experts (``_mixture``)."""
+        if layer.experts is not None:
+            return self._heavy(self._mixture, h, layer.experts)
+        assert layer.gate_up is not None and layer.down is not None
+        return self._heavy(layer.down, self._silu_mul(self._heavy(layer.gate_up, h)))
+
+    def _int8_max_rows(self) -> int:
+        """The native ops' form of the policy's crossover: -1 where every size is int8."""
+        rows = self.products.int8_max_rows
+        return -1 if rows is None or self.products.exact else rows
+
+    def _mixture(self, h: torch.Tensor, experts: _Experts) -> torch.Tensor:
+        """Each token's ``experts_used`` experts of the highest router probability
+        (softmax over all experts, in float32), their outputs weighted by those
+        probabilities renormalized to sum to 1 (llama.cpp's qwen3moe and Mixtral,
+        transformers' ``norm_topk_prob``). The tokens routed to one expert go through
+        it as one product, experts in ascending order, and each token's weighted sum
+        accumulates in float32 in that order.
+
+        In bfloat16 with the native ops and quantized experts, one native call
+        (``MixtureOfExperts``, the one ``DecodeLayers`` calls: the same arithmetic, its
+        routing in plain loops: within float32 rounding of this one); in float32, the
+        reference dtype, torch's ops below."""
+        fused = self.native_fused
+        if fused is not None and self.dtype == torch.bfloat16:
+            native = experts.native_for(fused)
+            if native is not None:
+                mode = self.products.mode(h.shape[0])
+                return native.run(h, mode, self._int8_max_rows(), self.products.variant)
+        k = self.config.experts_used
+        probs = F.linear(h.float(), experts.router).softmax(dim=-1)
+        weights, chosen = probs.topk(k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).flatten()
+        out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=len(experts.down)).tolist()
+        begin = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            picks = order[begin : begin + n]
+            begin += n
+            tokens = picks // k
+            x = h[tokens] if h.shape[0] > 1 else h
+            y = experts.down[e](self._silu_mul(experts.gate_up[e](x)))
+            out.index_add_(0, tokens, y.float() * weights[picks, None])
+        return out.to(h.dtype)
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of ``[gate | up]`` rows. In bfloat16 with the native ops, one

@@ -36,6 +36,7 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
         n_kv = max(n_kv)
     hidden = int(header.arch_value("embedding_length"))
     head_dim = int(header.arch_value("attention.key_length", hidden // n_heads))
+    experts = int(header.arch_value("expert_count", 0) or 0)
     return ModelSpec(
         name=str(header.metadata.get("general.name", Path(path).stem)),
         num_layers=int(header.arch_value("block_count")),
@@ -44,6 +45,9 @@ def model_from_gguf(path: str | Path) -> ModelSpec:
         num_parameters=header.num_parameters,
         context_length=int(header.arch_value("context_length", 4096)),
         weight_bytes_override=header.weight_bytes,
+        experts=experts,
+        experts_used=int(header.arch_value("expert_used_count", 0) or 0) if experts else 0,
+        expert_parameters=sum(t.num_elements for t in header.tensors if "_exps." in t.name),
     )
 
 
@@ -58,7 +62,13 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
     inter = int(cfg.get("intermediate_size", 4 * hidden))
     vocab = int(cfg.get("vocab_size", 32000))
     attn = hidden * head_dim * (n_heads + 2 * n_kv) + n_heads * head_dim * hidden
-    per_layer = attn + 3 * hidden * inter + 2 * hidden
+    # a mixture of experts (Qwen3-MoE's num_experts, Mixtral's num_local_experts) in
+    # place of each feed-forward: the experts and a router
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    used = int(cfg.get("num_experts_per_tok") or 0) if experts else 0
+    expert = 3 * hidden * int(cfg.get("moe_intermediate_size") or inter)
+    ffn = experts * (expert + hidden) if experts else 3 * hidden * inter
+    per_layer = attn + ffn + 2 * hidden
     embeddings = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
     return ModelSpec(
         name=str(cfg.get("_name_or_path") or Path(path).parent.name or "config"),
@@ -67,4 +77,7 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
         head_dim=head_dim,
         num_parameters=layers * per_layer + embeddings + hidden,
         context_length=int(cfg.get("max_position_embeddings", 4096)),
+        experts=experts,
+        experts_used=used,
+        expert_parameters=layers * experts * expert,
     )

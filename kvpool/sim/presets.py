@@ -32,6 +32,24 @@ class ModelSpec:
     num_parameters: int
     context_length: int
     weight_bytes_override: int | None = None  # the real size, when read from a file
+    # A mixture of experts (qwen3moe): each token computes ``experts_used`` of ``experts``
+    # feed-forwards, which hold ``expert_parameters`` of the parameters together.
+    experts: int = 0
+    experts_used: int = 0
+    expert_parameters: int = 0
+
+    @property
+    def active_parameters(self) -> int:
+        """The parameters one token computes with (all of them for a dense model)."""
+        if not self.experts:
+            return self.num_parameters
+        idle = self.expert_parameters * (self.experts - self.experts_used) // self.experts
+        return self.num_parameters - idle
+
+    @property
+    def expert_share(self) -> float:
+        """The share of the weights in experts (0 for a dense model)."""
+        return self.expert_parameters / self.num_parameters if self.experts else 0.0
 
     def geometry(self, kv_dtype_bytes: float) -> ModelGeometry:
         return ModelGeometry(self.num_layers, self.num_kv_heads, self.head_dim, kv_dtype_bytes)
@@ -59,6 +77,17 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ModelSpec("qwen2.5-7b", 28, 4, 128, 7_615_616_512, 32768),
         ModelSpec("qwen3-0.6b", 28, 8, 128, 596_049_920, 40960),
         ModelSpec("qwen3-8b", 36, 8, 128, 8_190_735_360, 40960),
+        ModelSpec(
+            "qwen3-30b-a3b",
+            48,
+            4,
+            128,
+            30_532_122_624,
+            40960,
+            experts=128,
+            experts_used=8,
+            expert_parameters=48 * 128 * 3 * 2048 * 768,
+        ),
         ModelSpec("smollm2-135m", 30, 3, 64, 134_515_008, 8192),
     )
 }

@@ -94,7 +94,11 @@ def run_strategies(
     strategies = strategies or list(Strategy)
     bpt = model.geometry(kv_dtype_bytes(kv_dtype, model.head_dim)).bytes_per_token
     device = budget.device or find_device("24GB")  # step times need some card
-    cost = RooflineCost(device, model.weight_bytes(weight_format), model.num_parameters, bpt)
+    pick = model.experts_used / model.experts if model.experts else 0.0
+    cost = RooflineCost(
+        device, model.weight_bytes(weight_format), model.active_parameters, bpt,
+        expert_share=model.expert_share, expert_pick=pick,
+    )  # fmt: skip
     results = []
     for strategy in strategies:
         cfg = SimConfig(

@@ -7,6 +7,20 @@
 #include "decode_layers.h"
 #include "native_ops.h"
 
+namespace {
+
+// A product as Python passes it: (parts, types, bias or None).
+using Product = std::tuple<std::vector<at::Tensor>, std::vector<int64_t>, c10::optional<at::Tensor>>;
+
+std::vector<kvp::LayerProduct> layer_products(const std::vector<Product>& products) {
+  std::vector<kvp::LayerProduct> ps;
+  for (const auto& [parts, types, bias] : products)
+    ps.push_back({parts, types, bias.has_value() ? *bias : at::Tensor()});
+  return ps;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV store (one query token per sequence)", py::arg("q"),
@@ -49,9 +63,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] times the stacked quantized parts transposed: [M, rows], float32 (or x's "
         "dtype with same_dtype)", py::arg("x"), py::arg("parts"), py::arg("types"),
         py::arg("mode") = 0, py::arg("variant") = "", py::arg("same_dtype") = false);
-  using Product = std::tuple<std::vector<at::Tensor>, std::vector<int64_t>, c10::optional<at::Tensor>>;
   // module_local: two builds of this module (another checkout's sources) can be loaded
   // in one process without their classes clashing in pybind11's registry
+  py::class_<kvp::MixtureOfExperts, std::shared_ptr<kvp::MixtureOfExperts>>(
+      m, "MixtureOfExperts", py::module_local(),
+      "a layer's mixture of experts with quantized products (decode_layers.h)")
+      .def(py::init([](const at::Tensor& router, const std::vector<Product>& gate_up,
+                       const std::vector<Product>& down, int64_t used) {
+             return std::make_shared<kvp::MixtureOfExperts>(router, layer_products(gate_up),
+                                                            layer_products(down), used);
+           }),
+           py::arg("router"), py::arg("gate_up"), py::arg("down"), py::arg("used"))
+      .def("run", &kvp::MixtureOfExperts::run,
+           "h [tokens, hidden] through each token's experts, weighted and summed",
+           py::arg("h"), py::arg("mode"), py::arg("int8_max_rows"), py::arg("variant") = "",
+           py::call_guard<py::gil_scoped_release>());
   py::class_<kvp::DecodeLayers>(m, "DecodeLayers", py::module_local(),
                                 "a model's layers for decode steps in one call (decode_layers.h)")
       .def(py::init<int64_t, double, double>(), py::arg("num_heads"), py::arg("eps"),
@@ -61,22 +87,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](kvp::DecodeLayers& self, const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
              const std::vector<Product>& products, const c10::optional<at::Tensor>& q_norm,
              const c10::optional<at::Tensor>& k_norm) {
-            std::vector<kvp::LayerProduct> ps;
-            for (const auto& [parts, types, bias] : products)
-              ps.push_back({parts, types, bias.has_value() ? *bias : at::Tensor()});
-            self.add_layer(attn_norm, ffn_norm, std::move(ps), q_norm.value_or(at::Tensor()),
-                           k_norm.value_or(at::Tensor()));
+            self.add_layer(attn_norm, ffn_norm, layer_products(products),
+                           q_norm.value_or(at::Tensor()), k_norm.value_or(at::Tensor()));
           },
           "a layer: its norms' weights, its products qkv, o, gate_up, down, each "
           "(parts, types, bias or None), and its per-head Q/K norms' weights (qwen3) or None",
           py::arg("attn_norm"), py::arg("ffn_norm"), py::arg("products"),
           py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none())
+      .def(
+          "add_moe_layer",
+          [](kvp::DecodeLayers& self, const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
+             const std::vector<Product>& products, const c10::optional<at::Tensor>& q_norm,
+             const c10::optional<at::Tensor>& k_norm,
+             std::shared_ptr<kvp::MixtureOfExperts> experts) {
+            self.add_moe_layer(attn_norm, ffn_norm, layer_products(products),
+                               q_norm.value_or(at::Tensor()), k_norm.value_or(at::Tensor()),
+                               std::move(experts));
+          },
+          "a layer whose feed-forward is a mixture of experts: its norms' weights, its "
+          "products qkv and o, its Q/K norms' weights or None, its MixtureOfExperts",
+          py::arg("attn_norm"), py::arg("ffn_norm"), py::arg("products"), py::arg("q_norm"),
+          py::arg("k_norm"), py::arg("experts"))
       .def("run", &kvp::DecodeLayers::run,
            "every layer of a decode step; x (updated in place) -> the residual after the last",
            py::arg("x"), py::arg("cos"), py::arg("sin_signed"), py::arg("slots"),
            py::arg("block_tables"), py::arg("context_lens"), py::arg("kv_layers"),
            py::arg("block_size"), py::arg("mode"), py::arg("heavy_threads"),
            py::arg("heavy_attention"), py::arg("variant") = "",
-           py::arg("query_start") = py::none(), py::call_guard<py::gil_scoped_release>())
+           py::arg("query_start") = py::none(), py::arg("int8_max_rows") = -1,
+           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &kvp::DecodeLayers::num_layers);
 }

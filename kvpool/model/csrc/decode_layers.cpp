@@ -32,12 +32,31 @@ auto on_threads(int64_t threads, F&& f) {
 void DecodeLayers::add_layer(const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
                              std::vector<LayerProduct> products, const at::Tensor& q_norm,
                              const at::Tensor& k_norm) {
+  TORCH_CHECK(q_norm.defined() == k_norm.defined(), "q_norm and k_norm: both or neither");
+  if (products.empty()) {  // (add_moe_layer: it sets the products itself)
+    layers_.push_back({attn_norm, ffn_norm, q_norm, k_norm});
+    return;
+  }
   TORCH_CHECK(products.size() == 4, "a layer's products: qkv, o, gate_up, down");
   for (const auto& p : products)
     TORCH_CHECK(!p.parts.empty() && p.parts.size() == p.types.size(), "one type per part");
-  TORCH_CHECK(q_norm.defined() == k_norm.defined(), "q_norm and k_norm: both or neither");
   layers_.push_back({attn_norm, ffn_norm, q_norm, k_norm, std::move(products[0]),
                      std::move(products[1]), std::move(products[2]), std::move(products[3])});
+}
+
+void DecodeLayers::add_moe_layer(const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
+                                 std::vector<LayerProduct> products, const at::Tensor& q_norm,
+                                 const at::Tensor& k_norm,
+                                 std::shared_ptr<const MixtureOfExperts> experts) {
+  TORCH_CHECK(products.size() == 2, "a mixture-of-experts layer's products: qkv, o");
+  TORCH_CHECK(experts != nullptr, "experts: a MixtureOfExperts");
+  for (const auto& p : products)
+    TORCH_CHECK(!p.parts.empty() && p.parts.size() == p.types.size(), "one type per part");
+  add_layer(attn_norm, ffn_norm, {}, q_norm, k_norm);
+  Layer& layer = layers_.back();
+  layer.qkv = std::move(products[0]);
+  layer.o = std::move(products[1]);  // (gate_up and down stay empty: the experts stand in)
+  layer.experts = std::move(experts);
 }
 
 at::Tensor DecodeLayers::run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin_signed,
@@ -46,7 +65,8 @@ at::Tensor DecodeLayers::run(at::Tensor x, const at::Tensor& cos, const at::Tens
                              const std::vector<at::Tensor>& kv_layers, int64_t block_size,
                              int64_t mode, int64_t heavy_threads, bool heavy_attention,
                              const std::string& variant,
-                             const c10::optional<at::Tensor>& query_start) const {
+                             const c10::optional<at::Tensor>& query_start,
+                             int64_t int8_max_rows) const {
   TORCH_CHECK(!layers_.empty(), "no layers");
   TORCH_CHECK(kv_layers.size() == layers_.size(), "one KV store layer per layer");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
@@ -76,7 +96,11 @@ at::Tensor DecodeLayers::run(at::Tensor x, const at::Tensor& cos, const at::Tens
                                     variant);
     });
     h = add_rms_norm_(x, product(layer.o, out), layer.ffn_norm, eps_, row_kernels);
-    const at::Tensor y = product(layer.down, silu_mul(product(layer.gate_up, h), row_kernels));
+    const at::Tensor y =
+        layer.experts
+            ? on_threads(heavy_threads,
+                         [&] { return layer.experts->run(h, mode, int8_max_rows, variant); })
+            : product(layer.down, silu_mul(product(layer.gate_up, h), row_kernels));
     if (i + 1 < layers_.size())
       h = add_rms_norm_(x, y, layers_[i + 1].attn_norm, eps_, row_kernels);
     else
