@@ -277,6 +277,40 @@ def test_native_mixture_computes_the_torch_mixture(tmp_path: Path):
     assert (alone.run(h[:1].contiguous(), FLOAT, -1, "") - plain).abs().max() < 1e-5 * scale
 
 
+@pytest.mark.skipif(_native() is None, reason="the native ops are not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_invariant_mixture_computes_a_sequence_alike_in_any_batch(tmp_path, dtype):
+    """A batch-invariant model (``--batch-invariant``) of a mixture of experts: a sequence's
+    logits are the same bits alone and beside another sequence in the step (its routing
+    included: float32's torch router product sums in an order that changes with the
+    rows, so the native mixture computes it there too)."""
+    from kvpool.model.products import ProductPolicy
+
+    path = write_model(tmp_path / "moe.gguf", "qwen3moe", MIXES["k-quants"], seed=8)
+    config, weights = load_gguf_weights(path, dtype, quantized=True)
+    model = LlamaModel(config, weights, torch.device("cpu"), dtype, ProductPolicy(fixed=True))
+    prompts = {
+        "a": [(3 * i + 1) % 500 for i in range(30)],
+        "b": [(5 * i + 2) % 500 for i in range(41)],
+    }
+
+    def run(seqs: list[str]) -> torch.Tensor:
+        """Prefill logits of every token of ``seqs``, then of one decode step of each."""
+        runner = PagedRunner(model, KVCacheManager(32, 16))
+        for seq in seqs:
+            runner.manager.allocate(seq, prompts[seq])
+        prefill = runner.forward([Chunk(s, prompts[s], 0) for s in seqs], all_logits=True)
+        for seq in seqs:
+            runner.manager.append(seq, [7])
+        decode = runner.forward([Chunk(s, [7], len(prompts[s])) for s in seqs])
+        return prefill, decode
+
+    prefill, decode = run(["a"])  # a step of one row: torch's router product takes gemv
+    prefill_both, decode_both = run(["b", "a"])
+    assert torch.equal(prefill_both[len(prompts["b"]) :], prefill)
+    assert torch.equal(decode_both[1:], decode)
+
+
 def test_unsupported_mixtures_are_refused(tmp_path: Path):
     """Shared experts (qwen2moe's kind) are refused with the reason, not run wrong."""
     import numpy as np

@@ -415,10 +415,12 @@ class LlamaModel:
 
         In bfloat16 with the native ops and quantized experts, one native call
         (``MixtureOfExperts``, the one ``DecodeLayers`` calls: the same arithmetic, its
-        routing in plain loops: within float32 rounding of this one); in float32, the
-        reference dtype, torch's ops below."""
+        routing in plain loops: within float32 rounding of this one), and so in a
+        batch-invariant model of any dtype (each token's routing computed in an order of
+        its own; torch's router product sums in an order that changes with the rows);
+        in float32, the reference dtype, torch's ops below."""
         fused = self.native_fused
-        if fused is not None and self.dtype == torch.bfloat16:
+        if fused is not None and (self.dtype == torch.bfloat16 or self.products.fixed):
             native = experts.native_for(fused)
             if native is not None:
                 mode = self.products.mode(h.shape[0])
