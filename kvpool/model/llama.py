@@ -425,7 +425,7 @@ class LlamaModel:
             if native is not None:
                 mode = self.products.mode(h.shape[0])
                 return native.run(h, mode, self._int8_max_rows(), self.products.variant)
-        k = self.config.experts_used
+        k = experts.used
         probs = F.linear(h.float(), experts.router).softmax(dim=-1)
         weights, chosen = probs.topk(k, dim=-1)
         weights = (weights / weights.sum(dim=-1, keepdim=True)).flatten()

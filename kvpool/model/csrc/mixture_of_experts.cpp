@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <utility>
 #include <vector>
@@ -57,8 +58,9 @@ at::Tensor MixtureOfExperts::run(const at::Tensor& h, int64_t mode, int64_t int8
   const int64_t k = used_;
   // Routing, per token: the router's logits (float32), the k experts of the highest
   // logits (of the highest softmax probabilities: the same order; ties to the lower
-  // index) and their weights, the softmax renormalized over those k:
-  // exp(l_i - l_max) / sum over the k of exp(l_j - l_max).
+  // index; a NaN counts lowest, so the order stays a strict one) and their weights, the
+  // softmax renormalized over those k: exp(l_i - l_max) / sum over the k of
+  // exp(l_j - l_max).
   const at::Tensor hf = h.to(at::kFloat).contiguous();
   const float* hp = hf.data_ptr<float>();
   const float* router = router_.data_ptr<float>();
@@ -70,8 +72,10 @@ at::Tensor MixtureOfExperts::run(const at::Tensor& h, int64_t mode, int64_t int8
     std::vector<float> l(experts);
     std::vector<int64_t> order(experts);
     for (int64_t t = begin; t < end; ++t) {
-      for (int64_t e = 0; e < experts; ++e)
+      for (int64_t e = 0; e < experts; ++e) {
         l[e] = dot(hp + t * hidden, router + e * hidden, hidden);
+        if (std::isnan(l[e])) l[e] = -std::numeric_limits<float>::infinity();
+      }
       std::iota(order.begin(), order.end(), 0);
       std::partial_sort(order.begin(), order.begin() + k, order.end(), [&l](int64_t a, int64_t b) {
         return l[a] > l[b] || (l[a] == l[b] && a < b);
