@@ -13,6 +13,7 @@ so the model uses the usual half-split rotary form.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,10 +221,7 @@ def load_gguf_weights(
 def _matrix_rows(info: GGUFTensorInfo) -> int:
     """Rows of a matrix, or of a stack of experts' matrices (ggml ``[cols, rows, experts]``)
     held as one: expert ``e``'s rows are ``e * rows .. (e + 1) * rows - 1``."""
-    rows = 1
-    for n in info.shape[1:]:
-        rows *= int(n)
-    return rows
+    return math.prod(int(n) for n in info.shape[1:])
 
 
 def _read_into(file, buffer: torch.Tensor, info: GGUFTensorInfo) -> torch.Tensor:

@@ -27,19 +27,21 @@ auto on_threads(int64_t threads, F&& f) {
   return f();
 }
 
+// A layer's products and norms as add_layer and add_moe_layer take them.
+void check_layer(const std::vector<LayerProduct>& products, size_t count, const char* names,
+                 const at::Tensor& q_norm, const at::Tensor& k_norm) {
+  TORCH_CHECK(products.size() == count, "a layer's products: ", names);
+  for (const auto& p : products)
+    TORCH_CHECK(!p.parts.empty() && p.parts.size() == p.types.size(), "one type per part");
+  TORCH_CHECK(q_norm.defined() == k_norm.defined(), "q_norm and k_norm: both or neither");
+}
+
 }  // namespace
 
 void DecodeLayers::add_layer(const at::Tensor& attn_norm, const at::Tensor& ffn_norm,
                              std::vector<LayerProduct> products, const at::Tensor& q_norm,
                              const at::Tensor& k_norm) {
-  TORCH_CHECK(q_norm.defined() == k_norm.defined(), "q_norm and k_norm: both or neither");
-  if (products.empty()) {  // (add_moe_layer: it sets the products itself)
-    layers_.push_back({attn_norm, ffn_norm, q_norm, k_norm});
-    return;
-  }
-  TORCH_CHECK(products.size() == 4, "a layer's products: qkv, o, gate_up, down");
-  for (const auto& p : products)
-    TORCH_CHECK(!p.parts.empty() && p.parts.size() == p.types.size(), "one type per part");
+  check_layer(products, 4, "qkv, o, gate_up, down", q_norm, k_norm);
   layers_.push_back({attn_norm, ffn_norm, q_norm, k_norm, std::move(products[0]),
                      std::move(products[1]), std::move(products[2]), std::move(products[3])});
 }
@@ -48,15 +50,11 @@ void DecodeLayers::add_moe_layer(const at::Tensor& attn_norm, const at::Tensor& 
                                  std::vector<LayerProduct> products, const at::Tensor& q_norm,
                                  const at::Tensor& k_norm,
                                  std::shared_ptr<const MixtureOfExperts> experts) {
-  TORCH_CHECK(products.size() == 2, "a mixture-of-experts layer's products: qkv, o");
+  check_layer(products, 2, "qkv, o (a mixture of experts in place of gate_up, down)", q_norm,
+              k_norm);
   TORCH_CHECK(experts != nullptr, "experts: a MixtureOfExperts");
-  for (const auto& p : products)
-    TORCH_CHECK(!p.parts.empty() && p.parts.size() == p.types.size(), "one type per part");
-  add_layer(attn_norm, ffn_norm, {}, q_norm, k_norm);
-  Layer& layer = layers_.back();
-  layer.qkv = std::move(products[0]);
-  layer.o = std::move(products[1]);  // (gate_up and down stay empty: the experts stand in)
-  layer.experts = std::move(experts);
+  layers_.push_back({attn_norm, ffn_norm, q_norm, k_norm, std::move(products[0]),
+                     std::move(products[1]), {}, {}, std::move(experts)});
 }
 
 at::Tensor DecodeLayers::run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin_signed,
