@@ -17,6 +17,7 @@ struct AttnArgs {
   int64_t num_heads, kv_heads, dim, slots, max_blocks, block_size;
   float scale;
   bool bf16;
+  int64_t window;          // keys a query sees, its own included (0: all of its context)
 };
 
 // The element types a KV store may hold (paged_attention): float32, bfloat16, float16,
@@ -37,6 +38,7 @@ struct VarlenArgs {
   float scale;
   bool q_bf16;
   int kv_type;             // KvType
+  int64_t window;          // keys a query sees, its own included (0: all up to it)
 };
 
 struct AttentionKernels {

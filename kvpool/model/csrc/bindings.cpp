@@ -25,13 +25,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV store (one query token per sequence)", py::arg("q"),
         py::arg("layer_kv"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("block_size"), py::arg("scale"), py::arg("variant") = "");
+        py::arg("block_size"), py::arg("scale"), py::arg("variant") = "", py::arg("window") = 0);
   m.def("paged_attention", &paged_attention,
         "attention of any number of new tokens per sequence over a paged KV store of any "
         "element type (float32, bfloat16, float16, int8 with a scale per row)", py::arg("q"),
         py::arg("layer_kv"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("query_start"), py::arg("block_size"), py::arg("scale"),
-        py::arg("variant") = "");
+        py::arg("variant") = "", py::arg("window") = 0);
   m.def("add_rms_norm_", &add_rms_norm_,
         "x += y in place (y optional), then RMSNorm of x times weight, returned", py::arg("x"),
         py::arg("y"), py::arg("weight"), py::arg("eps"), py::arg("variant") = "");

@@ -11,11 +11,12 @@
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_kv,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                  int64_t block_size, double scale, const std::string& variant);
+                                  int64_t block_size, double scale, const std::string& variant,
+                                  int64_t window = 0);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& layer_kv,
                            const at::Tensor& block_tables, const at::Tensor& context_lens,
                            const at::Tensor& query_start, int64_t block_size, double scale,
-                           const std::string& variant);
+                           const std::string& variant, int64_t window = 0);
 at::Tensor add_rms_norm_(at::Tensor& x, const c10::optional<at::Tensor>& y, const at::Tensor& weight,
                          double eps, const std::string& variant);
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin_signed,

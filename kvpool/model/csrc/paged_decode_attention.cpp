@@ -5,6 +5,7 @@
 // layer_kv:     [2 * kv_heads, slots, head_dim]     K heads then V heads, same dtype
 // block_tables: [B, max_blocks] int64               block ids of each context, in order
 // context_lens: [B] int64                           tokens of context (the new one included)
+// window:       keys a query sees, its own included (a sliding window); 0: the whole context
 // returns       [B, num_heads * head_dim]           in q's dtype
 //
 // Scores and the softmax are computed in float32 (bf16 key dots with the CPU's bf16
@@ -49,8 +50,10 @@ void check_tables(const at::Tensor& q, const at::Tensor& layer_kv, const at::Ten
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_kv,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens,
-                                  int64_t block_size, double scale, const std::string& variant) {
+                                  int64_t block_size, double scale, const std::string& variant,
+                                  int64_t window) {
   TORCH_CHECK(q.dim() == 3 && layer_kv.dim() == 3, "q [B, heads, dim], layer_kv [2 kv, slots, dim]");
+  TORCH_CHECK(window >= 0, "a window of 0 (none) or more keys");
   TORCH_CHECK(q.is_contiguous() && layer_kv.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(q.scalar_type() == layer_kv.scalar_type(), "q and layer_kv of one dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
@@ -66,7 +69,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_k
   kvp::AttnArgs args{q.data_ptr(), layer_kv.data_ptr(), tables.data_ptr<int64_t>(),
                      lens.data_ptr<int64_t>(), out.data_ptr(), q.size(1), layer_kv.size(0) / 2,
                      q.size(2), layer_kv.size(1), tables.size(1), block_size,
-                     static_cast<float>(scale), q.scalar_type() == at::kBFloat16};
+                     static_cast<float>(scale), q.scalar_type() == at::kBFloat16, window};
   const int64_t group = args.num_heads / args.kv_heads;
   int64_t longest = 0;
   for (int64_t i = 0; i < lens.numel(); ++i) longest = std::max(longest, l[i]);
@@ -89,12 +92,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_k
 // context_lens: [S] int64                       each sequence's context, new tokens included
 // query_start:  [S + 1] int64                   sequence s's new tokens are q rows
 //                                               query_start[s] .. query_start[s + 1]
+// window:       keys a new token sees, its own included (a sliding window); 0: all
+//               keys up to its position
 // returns       [T, num_heads * head_dim]       in q's dtype
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& layer_kv,
                            const at::Tensor& block_tables, const at::Tensor& context_lens,
                            const at::Tensor& query_start, int64_t block_size, double scale,
-                           const std::string& variant) {
+                           const std::string& variant, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && layer_kv.dim() == 3, "q [T, heads, dim], layer_kv [2 kv, slots, row]");
+  TORCH_CHECK(window >= 0, "a window of 0 (none) or more keys");
   TORCH_CHECK(q.is_contiguous() && layer_kv.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q: float32 or bfloat16");
   const int64_t dim = q.size(2);
@@ -145,7 +151,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& layer_kv,
   kvp::VarlenArgs args{q.data_ptr(), static_cast<const uint8_t*>(layer_kv.data_ptr()),
                        t, l, st, tiles.data(), out.data_ptr(), q.size(1), layer_kv.size(0) / 2,
                        dim, layer_kv.size(1), tables.size(1), block_size, row_bytes, tile,
-                       static_cast<float>(scale), q.scalar_type() == at::kBFloat16, kv_type};
+                       static_cast<float>(scale), q.scalar_type() == at::kBFloat16, kv_type,
+                       window};
   const int64_t items = static_cast<int64_t>(tiles.size() / 2) * args.kv_heads;
   const int64_t scratch = kvp::varlen_scratch(args);
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
