@@ -19,6 +19,9 @@ HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, VOCAB = 256, 512, 4, 2, 2, 512
 QWEN3_HEAD_DIM = 128
 # qwen3moe: each layer's feed-forward is EXPERTS experts of EXPERT_INTER, USED per token
 EXPERTS, USED, EXPERT_INTER = 8, 2, 256
+# gemma3: six layers (five local, one global: its pattern), a window shorter than the
+# tests' prompts and than a block
+GEMMA3_LAYERS, GEMMA3_WINDOW = 6, 11
 
 
 def write_model(
@@ -37,14 +40,17 @@ def write_model(
 
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), arch)
+    gemma3 = arch == "gemma3"
+    layers = GEMMA3_LAYERS if gemma3 else LAYERS
     writer.add_context_length(512)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(INTER)
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(layers)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
+    # (gemma3: its global layers' base; its local layers' is 10,000, fixed)
+    writer.add_rope_freq_base(1000000.0 if gemma3 else 10000.0)
     writer.add_vocab_size(VOCAB)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(VOCAB)])
@@ -57,6 +63,10 @@ def write_model(
 
     qwen3 = arch in ("qwen3", "qwen3moe")
     head_dim = QWEN3_HEAD_DIM if qwen3 else HIDDEN // HEADS
+    if gemma3:  # Gemma 3's heads are wider than hidden / heads too; here they are not
+        writer.add_sliding_window(GEMMA3_WINDOW)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     if qwen3:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -69,7 +79,9 @@ def write_model(
         "output_norm.weight": (HIDDEN,),
         "output.weight": (VOCAB, HIDDEN),
     }
-    for i in range(LAYERS):
+    if gemma3:  # the head is the embedding (Gemma 3's files have no output.weight)
+        del shapes["output.weight"]
+    for i in range(layers):
         p = f"blk.{i}."
         shapes |= {
             p + "attn_norm.weight": (HIDDEN,),
@@ -92,8 +104,13 @@ def write_model(
                 p + "ffn_up.weight": (INTER, HIDDEN),
                 p + "ffn_down.weight": (HIDDEN, INTER),
             }
-        if qwen3:
+        if qwen3 or gemma3:
             shapes |= {p + "attn_q_norm.weight": (head_dim,), p + "attn_k_norm.weight": (head_dim,)}
+        if gemma3:  # the sandwich: norms of attention's and the feed-forward's outputs
+            shapes |= {
+                p + "post_attention_norm.weight": (HIDDEN,),
+                p + "post_ffw_norm.weight": (HIDDEN,),
+            }
         if arch == "qwen2":
             shapes |= {
                 p + "attn_q.bias": (HEADS * head_dim,),
@@ -129,9 +146,10 @@ def write_model(
     return path
 
 
-def write_spm_vocab(path: Path) -> Path:
+def write_spm_vocab(path: Path, controls: tuple[str, ...] = ()) -> Path:
     """A GGUF file with a small SentencePiece (``llama``) vocabulary: scores, byte tokens
-    for fallback, control tokens, and no merges (they follow from the scores)."""
+    for fallback, control tokens (``controls``: more, at the end), and no merges (they
+    follow from the scores)."""
     import gguf
 
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -144,6 +162,9 @@ def write_spm_vocab(path: Path) -> Path:
         tokens.append(piece)
         types.append(1)
         scores.append(-float(i) if piece in pieces else -100.0 - i)
+    tokens += controls
+    types += [3] * len(controls)
+    scores += [0.0] * len(controls)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(1)
     writer.add_context_length(64)

@@ -18,7 +18,16 @@ from kvpool.model.gguf_weights import (  # noqa: E402
 )
 from kvpool.model.llama import LlamaModel  # noqa: E402
 from tests.paged_runner import Chunk, PagedRunner  # noqa: E402
-from tests.synthetic_gguf import EXPERT_INTER, EXPERTS, USED, write_model  # noqa: E402
+from tests.synthetic_gguf import (  # noqa: E402
+    EXPERT_INTER,
+    EXPERTS,
+    GEMMA3_LAYERS,
+    GEMMA3_WINDOW,
+    HEADS,
+    HIDDEN,
+    USED,
+    write_model,
+)
 
 MIXES = {
     "legacy": {
@@ -61,24 +70,33 @@ def _logits(model, prompt: list[int]) -> torch.Tensor:
 
 def _reference(path: Path, arch: str):
     """transformers' model of the file. Its GGUF loader does not read a qwen3moe file's
-    expert width (it takes Qwen3MoeConfig's default, 768): given here."""
-    more = {"moe_intermediate_size": EXPERT_INTER} if arch == "qwen3moe" else {}
+    expert width (it takes Qwen3MoeConfig's default, 768), nor the factor a gemma3
+    file's scores are scaled by (Gemma3TextConfig's default: 256 ** -0.5; the file's
+    heads are 64 wide, and llama.cpp scales by the head width): given here."""
+    more: dict = {}
+    if arch == "qwen3moe":
+        more = {"moe_intermediate_size": EXPERT_INTER}
+    if arch == "gemma3":
+        more = {"query_pre_attn_scalar": HIDDEN // HEADS}
     return transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32, **more
     )
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe", "gemma3"])
 @pytest.mark.parametrize("mix", sorted(MIXES))
 def test_random_model_matches_reference(tmp_path: Path, arch: str, mix: str):
     """qwen3moe: each layer's feed-forward a mixture of experts, the expert stacks in the
-    mix's types (experts take the type of the matrix they stand for), the router F32."""
+    mix's types (experts take the type of the matrix they stand for), the router F32.
+    gemma3: five sliding-window layers (a window of 11, the 45-token prompt's longer)
+    and a global one, each with its rotary base, sandwich norms, gelu, the embedding
+    scaled (and tied to the head)."""
     path = write_model(tmp_path / f"{arch}-{mix}.gguf", arch, MIXES[mix], seed=len(arch + mix))
     reference = _reference(path, arch)
     quantized = _native() is not None  # the weights in their blocks, as the runtime has them
     config, weights = load_gguf_weights(path, quantized=quantized)
     assert config.architecture == arch and config.attention_bias == (arch == "qwen2")
-    assert config.qk_norm == arch.startswith("qwen3")
+    assert config.qk_norm == (arch.startswith("qwen3") or arch == "gemma3")
     moe = (EXPERTS, USED, EXPERT_INTER) if arch == "qwen3moe" else (0, 0, 0)
     assert (config.experts, config.experts_used, config.expert_ffn) == moe
     model = LlamaModel(config, weights, torch.device("cpu"), torch.float32)
@@ -111,11 +129,12 @@ def test_int8_products_stay_near_the_float_products(tmp_path: Path, mix: str):
 
 
 @pytest.mark.skipif(_native() is None, reason="the native ops are not built here")
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe", "gemma3"])
 def test_qwen3_serving_path_stays_near_float32(tmp_path: Path, arch: str):
     """A qwen3 file as ``kvpool serve`` runs it (bfloat16, int8 products, a decode step's
     layers and their Q/K norms in one native call; a qwen3moe file's experts through the
-    same products) against its float32 float-product reference. The median row: a tiny
+    same products; a gemma3 file's windows, layer by layer) against its float32
+    float-product reference. The median row: a tiny
     random model has positions where bf16's rounding alone (float products too) flips a
     near-tie in a hidden state and moves a few rows' logits by the whole scale, in llama
     files as in qwen3 ones."""
@@ -332,7 +351,10 @@ PUBLISHED_PARAMETERS = {
     "smollm2-135m": 134_515_008, "llama-3.2-1b": 1_235_814_400, "llama-3.2-3b": 3_212_749_824,
     "llama-3.1-8b": 8_030_261_248, "qwen2.5-0.5b": 494_032_768, "qwen3-0.6b": 596_049_920,
     "qwen3-1.7b": 1_720_574_976, "qwen3-4b": 4_022_468_096, "qwen3-8b": 8_190_735_360,
-    "qwen3-30b-a3b": 30_532_122_624,
+    "qwen3-30b-a3b": 30_532_122_624, "gemma3-1b": 999_885_952,
+    # Gemma 3 4B's language model (its published 4.3 B count includes the vision tower,
+    # which GGUF keeps in another file)
+    "gemma3-4b": 3_880_263_168,
 }  # fmt: skip
 
 
@@ -377,6 +399,85 @@ def test_synth_model_writes_a_qwen3_file_the_runtime_loads(tmp_path: Path, mix: 
     assert (config.architecture, config.head_dim, config.q_size) == (tiny.arch, 128, 512)
     assert config.qk_norm and config.context_length == 40960
     assert (config.experts, config.experts_used) == (tiny.experts, tiny.experts_used)
+    model = LlamaModel(config, weights, torch.device("cpu"), torch.float32)
+    logits = _logits(model, [(3 * i + 7) % 2000 for i in range(20)])
+    assert logits.isfinite().all() and logits.std() > 0.1
+
+
+def test_gemma3_layers_attend_over_their_windows(tmp_path: Path):
+    """A gemma3 file's local layers see their window and its global layer everything, in
+    prefill and in decode steps well past the window, on the native ops and on the torch
+    path alike; the same file read with every layer global is another model (so the
+    windows are what the reference test holds)."""
+    path = write_model(tmp_path / "g.gguf", "gemma3", MIXES["k-quants"], seed=12)
+    config, _ = load_gguf_weights(path, quantized=True)
+    windows = [config.layer_window(i) for i in range(GEMMA3_LAYERS)]
+    assert windows == [GEMMA3_WINDOW] * 5 + [0]
+    assert config.rope_local_theta == 10000.0 and config.rope_theta == 1e6
+    assert config.embedding_scale == HIDDEN**0.5 and config.activation == "gelu_tanh"
+    with torch.inference_mode():
+        prompt = [(13 * i + 2) % 500 for i in range(50)]
+        want = _reference(path, "gemma3")(torch.tensor([prompt])).logits[0].float()
+
+    def stepwise(model) -> torch.Tensor:  # 16 prompt tokens, then 34 decode steps
+        runner = PagedRunner(model, KVCacheManager(32, 4))
+        runner.manager.allocate("s", prompt[:16])
+        rows = [runner.forward([Chunk("s", prompt[:16], 0)], all_logits=True)]
+        for i in range(16, len(prompt)):
+            runner.manager.append("s", prompt[i : i + 1])
+            rows.append(runner.forward([Chunk("s", prompt[i : i + 1], i)]))
+        return torch.cat(rows)
+
+    def model(native: bool = True, windows: bool = True) -> LlamaModel:
+        _, weights = load_gguf_weights(path, quantized=_native() is not None)
+        m = LlamaModel(config, weights, torch.device("cpu"), torch.float32)
+        if not native:
+            m.native_fused = m.native_decode = None
+        if not windows:
+            m.windows = [0] * len(m.windows)
+        return m
+
+    assert (stepwise(model()) - want).abs().max().item() < 1e-3
+    assert (stepwise(model(native=False)) - want).abs().max().item() < 1e-3
+    assert (_logits(model(windows=False), prompt) - want).abs().max().item() > 1e-2
+
+
+def test_gemma3_27b_scales_its_scores_by_hidden_over_heads(tmp_path: Path):
+    """Gemma 3 27B's queries are scaled by (hidden / heads) ** -0.5 (168), not by its head
+    width's (128): the file does not say so, and llama.cpp tells the 27B by its 62
+    layers, as the config does; a file that says (``attention.scale``) is taken at its
+    word. (The header is edited: the rule reads only metadata.)"""
+    from kvpool.formats.gguf_header import read_gguf_header
+    from kvpool.model.config import ModelConfig
+
+    header = read_gguf_header(write_model(tmp_path / "g.gguf", "gemma3", {}))
+    header.metadata["gemma3.attention.key_length"] = 32  # narrower than hidden / heads
+    header.metadata["gemma3.attention.value_length"] = 32
+    assert ModelConfig.from_gguf(header).scale == 32**-0.5
+    header.metadata["gemma3.block_count"] = 62
+    assert ModelConfig.from_gguf(header).scale == (HIDDEN / HEADS) ** -0.5
+    header.metadata["gemma3.attention.scale"] = 0.125
+    assert ModelConfig.from_gguf(header).scale == 0.125
+
+
+def test_synth_model_writes_a_gemma3_file_the_runtime_loads(tmp_path: Path):
+    """Gemma 3 4B's geometry shrunk to test size, by ``kvpool bench synth-model``'s
+    writer: heads of 256, Q/K and sandwich norms, a tied head, the sliding window, the
+    global layers' linear rope scaling; the runtime reads it all back and computes
+    finite, moving logits."""
+    import dataclasses
+
+    from kvpool.bench.synth_model import PRESETS, write
+
+    tiny = dataclasses.replace(
+        PRESETS["gemma3-4b"], hidden=256, layers=6, heads=2, kv_heads=1, ffn=512, vocab=2048,
+        sliding_window=7,
+    )  # fmt: skip
+    path = write(tiny, "Q4_K_M", tmp_path / "tiny.gguf", progress=False)
+    config, weights = load_gguf_weights(path, quantized=_native() is not None)
+    assert (config.architecture, config.head_dim, config.sliding_window) == ("gemma3", 256, 7)
+    assert config.sandwich_norms and config.qk_norm and config.tie_word_embeddings
+    assert config.rope_linear_scale == 8.0 and config.rms_norm_eps == pytest.approx(1e-6)
     model = LlamaModel(config, weights, torch.device("cpu"), torch.float32)
     logits = _logits(model, [(3 * i + 7) % 2000 for i in range(20)])
     assert logits.isfinite().all() and logits.std() > 0.1

@@ -90,3 +90,16 @@ def test_sentencepiece_vocabulary_matches_reference(tmp_path):
     assert tok.encode("Zebra")[:2] == [1, tok.backend.token_to_id("▁")]  # BOS, dummy prefix
     # Leading blanks are kept, as llama.cpp and SentencePiece do: every space one "▁".
     assert tok.decode(tok.encode("  two")) == "  two"
+
+
+def test_end_of_turn_tokens_stop_whatever_the_eos(tmp_path):
+    """Gemma's files name ``<eos>`` their end of sequence and end each chat turn with the
+    control token ``<end_of_turn>``: both stop a reply (llama.cpp's end-of-generation
+    set, by text), and so do the other templates' turn ends."""
+    from tests.synthetic_gguf import write_spm_vocab
+
+    path = write_spm_vocab(tmp_path / "spm.gguf", controls=("<end_of_turn>", "<start_of_turn>"))
+    tok = Tokenizer.from_gguf(read_gguf_header(path))
+    end, start = tok.encode("<end_of_turn><start_of_turn>", add_bos=False)
+    assert tok.eos_id in tok.stop_ids and end in tok.stop_ids
+    assert start not in tok.stop_ids and len(tok.stop_ids) == 2

@@ -42,6 +42,8 @@ class Geometry:
     experts: int = 0  # a mixture of experts in each layer (qwen3moe): how many
     experts_used: int = 0  # per token
     expert_ffn: int = 0  # each expert's feed-forward width
+    sliding_window: int = 0  # gemma3's local layers' window (five in six layers)
+    rope_linear: float = 0.0  # linear rope scaling of the global layers (gemma3 4B and up)
 
     @property
     def head_dim(self) -> int:
@@ -50,6 +52,7 @@ class Geometry:
 
 _L3 = {"rope_theta": 500000.0, "llama3_rope": True, "context": 131072}
 _Q3 = {"rope_theta": 1000000.0, "context": 40960, "key_length": 128}
+_G3 = {"rope_theta": 1000000.0, "context": 131072, "key_length": 256, "sliding_window": 1024}
 PRESETS = {
     "smollm2-135m": Geometry("llama", 576, 30, 9, 3, 1536, 49152, True, 100000.0),
     "llama-3.2-1b": Geometry("llama", 2048, 16, 32, 8, 8192, 128256, True, **_L3),
@@ -74,8 +77,14 @@ PRESETS = {
         expert_ffn=768,
         **_Q3,
     ),
+    "gemma3-1b": Geometry(
+        "gemma3", 1152, 26, 4, 1, 6912, 262144, True, **{**_G3, "context": 32768,
+                                                         "sliding_window": 512},
+    ),  # fmt: skip
+    "gemma3-4b": Geometry("gemma3", 2560, 34, 8, 4, 10240, 262208, True, rope_linear=8.0, **_G3),
 }
 MIXES = ("Q4_0", "Q8_0", "Q4_K_M")
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # llama.cpp's, for such rows
 FILE_TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15}  # llama.cpp's general.file_type
 WEIGHT_SCALE = 0.06  # spread of the random weights (keeps activations finite and moving)
 
@@ -112,7 +121,7 @@ def _shapes(g: Geometry) -> list[tuple[str, tuple[int, ...], int]]:
             (p + "attn_k.weight", (g.kv_heads * g.head_dim, g.hidden), i),
             (p + "attn_v.weight", (g.kv_heads * g.head_dim, g.hidden), i),
         ]
-        if g.arch in ("qwen3", "qwen3moe"):
+        if g.arch in ("qwen3", "qwen3moe", "gemma3"):
             out += [
                 (p + "attn_q_norm.weight", (g.head_dim,), i),
                 (p + "attn_k_norm.weight", (g.head_dim,), i),
@@ -123,10 +132,10 @@ def _shapes(g: Geometry) -> list[tuple[str, tuple[int, ...], int]]:
                 (p + "attn_k.bias", (g.kv_heads * g.head_dim,), i),
                 (p + "attn_v.bias", (g.kv_heads * g.head_dim,), i),
             ]
-        out += [
-            (p + "attn_output.weight", (g.hidden, g.heads * g.head_dim), i),
-            (p + "ffn_norm.weight", (g.hidden,), i),
-        ]
+        out.append((p + "attn_output.weight", (g.hidden, g.heads * g.head_dim), i))
+        if g.arch == "gemma3":  # the sandwich's norm of attention's output
+            out.append((p + "post_attention_norm.weight", (g.hidden,), i))
+        out.append((p + "ffn_norm.weight", (g.hidden,), i))
         if g.experts:  # the router (kept F32, as llama.cpp's quantize keeps it), stacks
             e, f = g.experts, g.expert_ffn
             out += [
@@ -141,6 +150,8 @@ def _shapes(g: Geometry) -> list[tuple[str, tuple[int, ...], int]]:
                 (p + "ffn_up.weight", (g.ffn, g.hidden), i),
                 (p + "ffn_down.weight", (g.hidden, g.ffn), i),
             ]
+        if g.arch == "gemma3":  # and of the feed-forward's
+            out.append((p + "post_ffw_norm.weight", (g.hidden,), i))
     out.append(("output_norm.weight", (g.hidden,), -1))
     if not g.tied:
         out.append(("output.weight", (g.vocab, g.hidden), -1))
@@ -215,8 +226,13 @@ def write(
         writer.add_expert_count(g.experts)
         writer.add_expert_used_count(g.experts_used)
         writer.add_expert_feed_forward_length(g.expert_ffn)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_layer_norm_rms_eps(1e-6 if g.arch == "gemma3" else 1e-5)
     writer.add_rope_freq_base(g.rope_theta)
+    if g.sliding_window:
+        writer.add_sliding_window(g.sliding_window)
+    if g.rope_linear:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(g.rope_linear)
     writer.add_vocab_size(g.vocab)
     tokens, scores, types = _vocabulary(g.vocab)
     writer.add_tokenizer_model("llama")
@@ -235,7 +251,9 @@ def write(
         router = name.endswith("ffn_gate_inp.weight")
         qtype = "F32" if len(shape) == 1 or router else tensor_type(mix, name, layer, g)
         if qtype.endswith("_K") and shape[-1] % 256:
-            qtype = "Q8_0"  # rows that are not whole 256-blocks (llama.cpp falls back too)
+            # rows that are not whole 256-blocks (Gemma 3 1B's 1152): llama.cpp's quantize
+            # falls back to a legacy type of as many bits or more
+            qtype = FALLBACK[qtype]
         plan.append((name, shape, qtype))
         if qtype == "F32":
             writer.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))

@@ -8,7 +8,8 @@ native ops, the torch path, which gathers whole context blocks and runs batched 
 over its context (``chunk_attention``).
 
 Every path computes the same attention: each new query over its own sequence's context
-slots, causal within the chunk, nothing across sequences.
+slots, causal within the chunk, nothing across sequences; in a sliding-window layer
+(gemma3's local layers) over the last ``window`` positions only, its own included.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def attend(
     batch: AttentionBatch,
     decode_bias: torch.Tensor | None,
     head_blocks: torch.Tensor,
+    window: int = 0,
 ) -> torch.Tensor:
     """Each sequence's new queries over its own context slots -> ``[T, heads * dim]``
     (a mixed step's: its chunks' tokens only, in their order).
@@ -110,6 +112,7 @@ def attend(
     of ``[heads, blocks, ...]`` runs on one)."""
     cfg = model.config
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    scale = cfg.scale
     b, n_blocks = batch.context_blocks.shape
     length = batch.key_valid.shape[1]  # n_blocks * block_size
     rows = (-1, length // n_blocks * d)  # [heads * blocks, block_size * dim]
@@ -131,14 +134,15 @@ def attend(
         if decode_bias.dtype != values.dtype:  # fp32 attention, chosen in forward
             kv32 = buf.float()  # K and V in one conversion
             keys_t = kv32[:size].view(nkv * b, length, d).transpose(1, 2)
-            scores = torch.baddbmm(decode_bias, queries.float(), keys_t, alpha=d**-0.5)
+            scores = torch.baddbmm(decode_bias, queries.float(), keys_t, alpha=scale)
             values32 = kv32[size:].view(nkv * b, length, d)
             out = torch.bmm(torch.softmax(scores, dim=-1), values32).to(model.dtype)
             return out.view(nkv, b, g, d).transpose(0, 1).reshape(b, nh * d)
-        scores = torch.baddbmm(decode_bias, queries, keys.transpose(1, 2), alpha=d**-0.5)
+        scores = torch.baddbmm(decode_bias, queries, keys.transpose(1, 2), alpha=scale)
         if batch.shared_prefixes:
             bs = length // n_blocks
             k_cache, v_cache = layer_kv[:nkv], layer_kv[nkv:]
+            assert not window  # (the runner makes no prefix groups for a windowed model)
             return attend_shared(model, queries, scores, values, k_cache, v_cache, batch, bs)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
         out = torch.bmm(probs, values)  # [nkv * b, g, d]
@@ -146,17 +150,24 @@ def attend(
     keys = keys.view(nkv, b, length, d)
     values = values.view(nkv, b, length, d)
     parts = [  # each sequence's chunk alone, its new tokens consecutive in q
-        chunk_attention(q[first : first + n], keys[:, r, :ctx], values[:, r, :ctx])
+        chunk_attention(q[first : first + n], keys[:, r, :ctx], values[:, r, :ctx], window, scale)
         for r, (first, n, ctx) in enumerate(batch.spans)
     ]
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.reshape(-1, nh * d)
 
 
-def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def chunk_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    window: int = 0,
+    scale: float | None = None,
+) -> torch.Tensor:
     """One sequence's chunk of new tokens ``q`` ``[n, heads, dim]`` over its context
     ``keys``/``values`` ``[kv_heads, ctx, dim]``, whose last ``n`` positions are the
-    chunk's own -> ``[n, heads, dim]``.
+    chunk's own -> ``[n, heads, dim]`` (``window``: keys each token sees, its own
+    included; 0: all up to it. ``scale``: the scores' factor, SDPA's by default).
 
     A chunk's rows are the same alone or batched: SDPA's results change with masked
     keys padded on, so none are (the context is sliced to its length). A chunk at the
@@ -166,12 +177,17 @@ def chunk_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -
     rows, unless at a multiple of 64: docs/performance.md, sixteenth session.)"""
     n, ctx = q.shape[0], keys.shape[1]
     qh, kh, vh = q.transpose(0, 1)[None], keys[None], values[None]  # [1, heads, len, dim]
-    if ctx == n:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    if ctx == n and (not window or window >= n):
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, enable_gqa=True, scale=scale
+        )
     else:
-        i = torch.arange(n, device=q.device)[:, None]
-        mask = torch.arange(ctx, device=q.device)[None, :] <= i + (ctx - n)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+        i = torch.arange(n, device=q.device)[:, None] + (ctx - n)  # each token's position
+        j = torch.arange(ctx, device=q.device)[None, :]
+        mask = (j <= i) & (j > i - window) if window else j <= i
+        out = F.scaled_dot_product_attention(
+            qh, kh, vh, attn_mask=mask, enable_gqa=True, scale=scale
+        )
     return out[0].transpose(0, 1)
 
 
@@ -208,7 +224,7 @@ def attend_shared(
         values = v_cache.view(blocked).index_select(1, group.blocks).view(nkv, length, d)
         n = group.rows.shape[0]
         scores = torch.bmm(q4[:, rows].reshape(nkv, n * g, d), keys.transpose(1, 2))
-        shared[:, rows, :, :length] = scores.view(nkv, n, g, length).mul_(d**-0.5)
+        shared[:, rows, :, :length] = scores.view(nkv, n, g, length).mul_(cfg.scale)
         parts.append((rows, n, length, values))
     scores = torch.cat([shared.view(nkv * b, g, width), own_scores], dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(own_values.dtype)
@@ -263,16 +279,33 @@ class StepAttention:
             dtype = torch.float32 if model._fp32_attention and small else model.dtype
             self.decode_bias = torch.zeros(valid.shape, dtype=dtype, device=device)
             self.decode_bias.masked_fill_(~valid, float("-inf"))
+        # the decode bias of a sliding-window layer, by window, made at its first layer
+        self._window_bias: dict[int, torch.Tensor] = {}
+
+    def _decode_bias(self, window: int) -> torch.Tensor | None:
+        """The torch decode path's bias for a layer of ``window`` (0: ``decode_bias``): the
+        context positions before each sequence's last ``window`` masked too."""
+        if not window or self.decode_bias is None:
+            return self.decode_bias
+        if window not in self._window_bias:
+            batch = self.batch
+            nkv = self.model.config.num_kv_heads
+            positions = torch.arange(batch.key_valid.shape[1], device=batch.key_valid.device)
+            early = positions[None, :] < (batch.context_lens[:, None] - window)
+            early = early.repeat(nkv, 1)[:, None, :]  # (head, seq) major, as the bias
+            self._window_bias[window] = self.decode_bias.masked_fill(early, float("-inf"))
+        return self._window_bias[window]
 
     def __call__(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """Layer ``layer``'s attention of the queries ``q`` ``[T, heads, dim]`` (this
         step's K/V already written) -> ``[T, heads * dim]``."""
         model, batch, kv = self.model, self.batch, self.kv
+        window = model.windows[layer]
         if self.varlen is not None:
             starts, tables, lens, index = self.varlen
             queries = q[index] if index is not None else q.contiguous()
             op = model.native_fused.paged_attention
-            out = self._native(self.native_call, op, queries, layer, tables, lens, starts)
+            out = self._native(self.native_call, op, queries, layer, window, tables, lens, starts)
             if batch.decode is None:
                 return out
             # the step's single decode tokens through the native decode attention
@@ -281,25 +314,26 @@ class StepAttention:
             full[index] = out
             singles = q[tokens].contiguous()
             full[tokens] = self._native(
-                model._heavy, model.native_decode, singles, layer, blocks, lens
+                model._heavy, model.native_decode, singles, layer, window, blocks, lens
             )
             return full
         if self.native is not None:
             return self._native(
-                self.native_call, self.native, q.contiguous(), layer, batch.context_blocks,
-                batch.context_lens,
+                self.native_call, self.native, q.contiguous(), layer, window,
+                batch.context_blocks, batch.context_lens,
             )  # fmt: skip
         assert self.head_blocks is not None
-        return attend(model, q, kv.layers[layer], batch, self.decode_bias, self.head_blocks)
+        bias = self._decode_bias(window)
+        return attend(model, q, kv.layers[layer], batch, bias, self.head_blocks, window)
 
     def _native(
-        self, call: Any, op: Any, q: torch.Tensor, layer: int, tables: torch.Tensor,
-        lens: torch.Tensor, *starts: torch.Tensor,
+        self, call: Any, op: Any, q: torch.Tensor, layer: int, window: int,
+        tables: torch.Tensor, lens: torch.Tensor, *starts: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """A native attention op (the decode one, or ``paged_attention`` with its query
-        starts) over layer ``layer``'s store, run through ``call``."""
-        d = self.model.config.head_dim
+        starts) over layer ``layer``'s store, run through ``call`` (``window``: the
+        layer's sliding window, 0 for none)."""
         return call(
-            op, q, self.kv.layers[layer], tables, lens, *starts, self.kv.block_size, d**-0.5,
-            self.model.products.variant,
+            op, q, self.kv.layers[layer], tables, lens, *starts, self.kv.block_size,
+            self.model.config.scale, self.model.products.variant, window,
         )  # fmt: skip

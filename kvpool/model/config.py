@@ -7,7 +7,11 @@ from dataclasses import dataclass
 from kvpool.cache import ModelGeometry
 from kvpool.formats.gguf_header import GGUFHeader
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+# Gemma 3's layers: five local (sliding-window) layers to one global, unless the file says
+# otherwise; the local layers' rotary base (llama.cpp and transformers fix both)
+GEMMA3_SLIDING_PERIOD = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
 class UnsupportedModel(ValueError):
@@ -37,6 +41,29 @@ class ModelConfig:
     experts: int = 0
     experts_used: int = 0
     expert_ffn: int = 0
+    # Gemma 3 (gemma3): local layers attend over the last ``sliding_window`` positions
+    # (the query's own included), every ``sliding_period``-th layer over all of them;
+    # local layers rotate with base ``rope_local_theta``; global layers' positions are
+    # divided by ``rope_linear_scale`` (the file's linear rope scaling, any architecture).
+    sliding_window: int = 0  # 0: every layer global
+    sliding_period: int = 0
+    rope_local_theta: float = 0.0  # 0: rope_theta
+    rope_linear_scale: float = 1.0
+    attention_scale: float = 0.0  # the scores' factor (0: head_dim ** -0.5)
+    embedding_scale: float = 1.0  # the token embedding's factor (gemma3: sqrt(hidden))
+    sandwich_norms: bool = False  # an RMSNorm after attention and after the feed-forward too
+    activation: str = "silu"  # of the gate: "silu", or "gelu_tanh" (gemma3)
+
+    @property
+    def scale(self) -> float:
+        """The attention scores' factor."""
+        return self.attention_scale or self.head_dim**-0.5
+
+    def layer_window(self, layer: int) -> int:
+        """Keys a query of ``layer`` sees, its own included (0: its whole context)."""
+        if not self.sliding_window or (layer + 1) % self.sliding_period == 0:
+            return 0
+        return self.sliding_window
 
     @property
     def q_size(self) -> int:
@@ -57,8 +84,9 @@ class ModelConfig:
                 f"architecture {arch!r} is not supported (supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-        if header.arch_value("attention.sliding_window"):
-            raise UnsupportedModel("sliding-window attention is not supported")
+        window = int(header.arch_value("attention.sliding_window", 0) or 0)
+        if window and arch != "gemma3":
+            raise UnsupportedModel(f"sliding-window attention in a {arch} file is not supported")
         names = {t.name for t in header.tensors}
         hidden = int(header.arch_value("embedding_length"))
         heads = int(header.arch_value("attention.head_count"))
@@ -84,6 +112,20 @@ class ModelConfig:
             experts_used = int(header.arch_value("expert_used_count", 0) or 0)
             if not 0 < experts_used <= experts:
                 raise UnsupportedModel(f"{experts_used} experts used of {experts}")
+        # linear rope scaling divides positions (others, such as yarn for contexts past
+        # the trained length, are not applied: contexts within it are unchanged)
+        scaling = header.arch_value("rope.scaling.type")
+        linear = float(header.arch_value("rope.scaling.factor", 1.0) or 1.0)
+        gemma3 = arch == "gemma3"
+        period = header.arch_value("attention.sliding_window_pattern", GEMMA3_SLIDING_PERIOD)
+        if not isinstance(period, int) or period < 1:
+            raise UnsupportedModel(f"sliding window pattern {period!r} is not supported")
+        layers = int(header.arch_value("block_count"))
+        scale = float(header.arch_value("attention.scale", 0.0) or 0.0)
+        if gemma3 and not scale and layers == 62:
+            # Gemma 3 27B scales by hidden / heads (168), not its head width (128); the
+            # file does not say so (llama.cpp tells the 27B by its 62 layers, as here)
+            scale = (hidden / heads) ** -0.5
         tokens = header.metadata.get("tokenizer.ggml.tokens")
         vocab = int(header.arch_value("vocab_size", len(tokens) if tokens else 0))
         if not vocab:
@@ -95,7 +137,7 @@ class ModelConfig:
             vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=int(header.arch_value("feed_forward_length", expert_ffn)),
-            num_layers=int(header.arch_value("block_count")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(kv_heads),
             head_dim=head_dim,
@@ -108,4 +150,12 @@ class ModelConfig:
             experts=experts,
             experts_used=experts_used,
             expert_ffn=expert_ffn,
+            sliding_window=window,
+            sliding_period=period if window else 0,
+            rope_local_theta=GEMMA3_LOCAL_ROPE_THETA if gemma3 else 0.0,
+            rope_linear_scale=linear if scaling == "linear" else 1.0,
+            attention_scale=scale,
+            embedding_scale=hidden**0.5 if gemma3 else 1.0,
+            sandwich_norms="blk.0.post_attention_norm.weight" in names,
+            activation="gelu_tanh" if gemma3 else "silu",
         )

@@ -1,4 +1,4 @@
-"""LLaMA-family decoder (llama, qwen2, qwen3, qwen3moe) over a paged KV store.
+"""LLaMA-family decoder (llama, qwen2, qwen3, qwen3moe, gemma3) over a paged KV store.
 
 One forward pass takes a flat batch of tokens from several sequences (a prefill chunk of
 one, a single decode token of another) and their ``AttentionBatch``: where each new
@@ -99,6 +99,8 @@ class _Layer:
     q_norm: torch.Tensor | None = None  # [head_dim]: each Q head's RMSNorm (qwen3)
     k_norm: torch.Tensor | None = None  # [head_dim]: each K head's
     experts: _Experts | None = None  # in place of gate_up and down (qwen3moe)
+    post_attn_norm: torch.Tensor | None = None  # of attention's output (gemma3's sandwich)
+    post_ffn_norm: torch.Tensor | None = None  # of the feed-forward's output
 
 
 def _products(layer: _Layer) -> list[Any]:
@@ -203,6 +205,7 @@ class LlamaModel:
             if isinstance(self.lm_head, QuantLinear):
                 self.lm_head.float_out = True  # float32 logits (no bf16 rounding, no ties)
         self.final_norm = w("output_norm.weight")
+        sandwich = config.sandwich_norms
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
             p = f"blk.{i}."
@@ -223,13 +226,22 @@ class LlamaModel:
                     q_norm=w(p + "attn_q_norm.weight") if config.qk_norm else None,
                     k_norm=w(p + "attn_k_norm.weight") if config.qk_norm else None,
                     experts=moe,
+                    post_attn_norm=w(p + "post_attention_norm.weight") if sandwich else None,
+                    post_ffn_norm=w(p + "post_ffw_norm.weight") if sandwich else None,
                 )
             )
         d = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        exponents = torch.arange(0, d, 2, dtype=torch.float32) / d
+        inv_freq = 1.0 / (config.rope_theta**exponents) / config.rope_linear_scale
         if "rope_freqs.weight" in weights:  # Llama-3 scaling, precomputed by the converter
             inv_freq = inv_freq / weights.pop("rope_freqs.weight").float()
         self.inv_freq = inv_freq.to(device)
+        # Sliding-window (local) layers (gemma3): each layer's window, 0 for a global one,
+        # and the local layers' rotary frequencies (their own base, no scaling)
+        self.windows = [config.layer_window(i) for i in range(config.num_layers)]
+        self.inv_freq_local: torch.Tensor | None = None
+        if config.rope_local_theta:
+            self.inv_freq_local = (1.0 / config.rope_local_theta**exponents).to(device)
         self._buffer: torch.Tensor | None = None  # scratch for gathered K/V (attention.attend)
         self.source_path: Path | None = None  # the file it was loaded from (loader sets it)
         # > 0: the step's light ops run on one thread and only the matrix products and
@@ -274,6 +286,8 @@ class LlamaModel:
             n += self.lm_head.numel()
         for layer in self.layers:
             n += layer.attn_norm.numel() + layer.ffn_norm.numel()
+            if layer.post_attn_norm is not None and layer.post_ffn_norm is not None:
+                n += layer.post_attn_norm.numel() + layer.post_ffn_norm.numel()
             products = (layer.qkv, layer.o, layer.gate_up, layer.down)
             n += sum(lin.numel() for lin in products if lin is not None)
             if layer.experts is not None:
@@ -282,9 +296,13 @@ class LlamaModel:
                 n += layer.q_norm.numel() + layer.k_norm.numel()
         return n
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos`` and ``sin_signed`` (see ``_rotate``) of each position, ``[T, 1, dim]``."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+    def _rope(
+        self, positions: torch.Tensor, inv_freq: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin_signed`` (see ``_rotate``) of each position, ``[T, 1, dim]``
+        (``inv_freq``: other frequencies than the global layers')."""
+        inv_freq = self.inv_freq if inv_freq is None else inv_freq
+        freqs = positions.float()[:, None] * inv_freq[None, :]
         cos, sin = freqs.cos(), freqs.sin()
         cos = torch.cat((cos, cos), dim=-1).to(self.dtype)
         sin_signed = torch.cat((-sin, sin), dim=-1).to(self.dtype)
@@ -306,9 +324,14 @@ class LlamaModel:
         states of the same rows (embeddings)."""
         cos, sin_signed = self._rope(batch.positions)
         x = self.embed[batch.input_ids].contiguous()  # the step's own: updated in place
+        if self.config.embedding_scale != 1.0:  # (gemma3: sqrt(hidden), in the dtype)
+            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         attention = StepAttention(self, batch, kv)
         if self.native_fused is not None:
             cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
+        local = None  # the local layers' rotation (gemma3)
+        if self.inv_freq_local is not None:
+            local = tuple(t.contiguous() for t in self._rope(batch.positions, self.inv_freq_local))
         # a decode step whose attention is one native op a layer
         single = attention.native is not None or attention.varlen_decode
         layers = self._native_layers() if single else None
@@ -323,7 +346,7 @@ class LlamaModel:
                 self.products.variant, starts, self._int8_max_rows(),
             )  # fmt: skip
         else:
-            x = self._layers(x, batch, kv, attention, cos, sin_signed)
+            x = self._layers(x, batch, kv, attention, (cos, sin_signed), local)
         if rows is not None:
             x = x[rows]
         elif not all_logits:
@@ -338,14 +361,17 @@ class LlamaModel:
         batch: AttentionBatch,
         kv: PagedKVStore,
         attention: StepAttention,
-        cos: torch.Tensor,
-        sin_signed: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        local: tuple[torch.Tensor, ...] | None = None,
     ) -> torch.Tensor:
-        """The residual stream ``x`` (the step's own tensor) through every layer."""
+        """The residual stream ``x`` (the step's own tensor) through every layer
+        (``rope``: the rotation's ``cos`` and ``sin_signed``; ``local``: the sliding-window
+        layers' own, where they have one)."""
         nh = self.config.num_heads
         fused = self.native_fused
         x, h = self._add_norm(x, None, self.layers[0].attn_norm)
         for i, layer in enumerate(self.layers):
+            cos, sin_signed = local if local is not None and self.windows[i] else rope
             qkv = self._heavy(layer.qkv, h)
             if layer.q_norm is not None:
                 qkv = self._qk_norm(qkv, layer)
@@ -353,9 +379,13 @@ class LlamaModel:
                 q = fused.rope_write_kv(qkv, cos, sin_signed, kv.layers[i], batch.slot_mapping, nh)
             else:
                 q = self._rope_write_kv(qkv, cos, sin_signed, kv, i, batch.slot_mapping)
-            out = attention(q, i)
-            x, h = self._add_norm(x, self._heavy(layer.o, out), layer.ffn_norm)
+            out = self._heavy(layer.o, attention(q, i))
+            if layer.post_attn_norm is not None:
+                out = self._norm(out, layer.post_attn_norm)
+            x, h = self._add_norm(x, out, layer.ffn_norm)
             y = self._feed_forward(h, layer)
+            if layer.post_ffn_norm is not None:
+                y = self._norm(y, layer.post_ffn_norm)
             if i + 1 < len(self.layers):
                 x, h = self._add_norm(x, y, self.layers[i + 1].attn_norm)
             else:
@@ -366,19 +396,22 @@ class LlamaModel:
         """``DecodeLayers`` (decode_layers.h): ``_layers`` for a decode step whose
         attention is the native decode op, in one native call, op for op the same (bit
         for bit: tested). None where ``_layers`` runs instead: no native ops (now),
-        float32 (the reference keeps torch's norms), dense products. Built once, on the
-        first step that can take it, from the layers as they are then (their weights
-        and biases do not change after load)."""
+        float32 (the reference keeps torch's norms), dense products, gemma3's layers
+        (sliding windows, sandwich norms, gelu: not in the native call yet). Built once,
+        on the first step that can take it, from the layers as they are then (their
+        weights and biases do not change after load)."""
         ops = self.native_fused
         if ops is None:  # (a test may take them away for a while: nothing is decided)
+            return None
+        cfg = self.config
+        if cfg.sliding_window or cfg.sandwich_norms or cfg.activation != "silu":
             return None
         if self._decode_layers is None:
             products = [_products(lr) for lr in self.layers]
             quantized = all(isinstance(p, QuantLinear) for ps in products for p in ps)
             self._decode_layers = False
             if self.dtype == torch.bfloat16 and quantized:
-                cfg = self.config
-                stack = ops.DecodeLayers(cfg.num_heads, cfg.rms_norm_eps, cfg.head_dim**-0.5)
+                stack = ops.DecodeLayers(cfg.num_heads, cfg.rms_norm_eps, cfg.scale)
                 for layer in self.layers:
                     norms = (layer.attn_norm, layer.ffn_norm)
                     qk = (layer.q_norm, layer.k_norm)
@@ -398,7 +431,11 @@ class LlamaModel:
         if layer.experts is not None:
             return self._heavy(self._mixture, h, layer.experts)
         assert layer.gate_up is not None and layer.down is not None
-        return self._heavy(layer.down, self._silu_mul(self._heavy(layer.gate_up, h)))
+        gate_up = self._heavy(layer.gate_up, h)
+        if self.config.activation == "gelu_tanh":  # gemma3: gelu (tanh form) of the gate
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self._heavy(layer.down, F.gelu(gate, approximate="tanh") * up)
+        return self._heavy(layer.down, self._silu_mul(gate_up))
 
     def _int8_max_rows(self) -> int:
         """The native ops' form of the policy's crossover: -1 where every size is int8."""
@@ -473,6 +510,11 @@ class LlamaModel:
         q = _rms_norm(q.reshape(t, cfg.num_heads, d), layer.q_norm, eps).reshape(t, -1)
         k = _rms_norm(k.reshape(t, cfg.num_kv_heads, d), layer.k_norm, eps).reshape(t, -1)
         return torch.cat([q, k, v], dim=-1)
+
+    def _norm(self, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of a fresh tensor ``y`` (gemma3's post-attention and post-feed-forward
+        norms), by ``_add_norm``'s path."""
+        return self._add_norm(y.contiguous(), None, weight)[1]
 
     def _add_norm(
         self, x: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor

@@ -101,7 +101,8 @@ class ModelRunner:
         if min_shared_tokens is None and model.native_decode is None:
             min_shared_tokens = 256
         self.min_shared_blocks: int | None = None
-        if min_shared_tokens is not None:
+        # (a sliding window cuts a sequence's shared prefix at its own place: no groups)
+        if min_shared_tokens is not None and not model.config.sliding_window:
             self.min_shared_blocks = max(1, min_shared_tokens // block_size)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

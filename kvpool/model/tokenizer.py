@@ -39,6 +39,10 @@ _SPLIT_BY_PRE = {"llama-bpe": _LLAMA3, "llama3": _LLAMA3, "smaug-bpe": _LLAMA3, 
 _DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"}
 
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
+# Control tokens that end a chat turn, stops wherever a vocabulary has them, whatever
+# its end-of-sequence id (llama.cpp's end-of-generation set, by text: Gemma's files name
+# <eos> their eos and end each turn with <end_of_turn>)
+END_OF_TURN = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>")
 
 
 def _byte_level_pre(pre: str | None):
@@ -119,6 +123,7 @@ class Tokenizer:
         bos = meta.get("tokenizer.ggml.bos_token_id")
         eos = meta.get("tokenizer.ggml.eos_token_id")
         stops = {i for i in (eos, meta.get("tokenizer.ggml.eot_token_id")) if i is not None}
+        stops |= {vocab[t] for t in END_OF_TURN if t in vocab and types[vocab[t]] == CONTROL}
         return cls(
             backend=backend,
             bos_id=bos,

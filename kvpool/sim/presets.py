@@ -89,6 +89,10 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
             expert_parameters=48 * 128 * 3 * 2048 * 768,
         ),
         ModelSpec("smollm2-135m", 30, 3, 64, 134_515_008, 8192),
+        # Gemma 3's language models (kvpool keeps every layer's K/V for every position,
+        # its sliding-window layers' too: their KV per token is all layers')
+        ModelSpec("gemma3-1b", 26, 1, 256, 999_885_952, 32768),
+        ModelSpec("gemma3-4b", 34, 4, 256, 3_880_263_168, 131072),
     )
 }
 
