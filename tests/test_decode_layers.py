@@ -156,6 +156,25 @@ def test_native_layers_with_experts(tmp_path, mode, int8_max_rows):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("store", ["auto", "varlen"])
+@pytest.mark.parametrize("mode", list(Mode))
+def test_native_layers_with_gemma3_layers(tmp_path, mode, store):
+    """Gemma 3's layers run in the native call as in the loop: local layers with their
+    window (contexts past it) and rotation, the global one with its own, the sandwich
+    norms, the gelu gate."""
+    from kvpool.model.products import ProductPolicy
+    from tests.synthetic_gguf import write_model
+    from tests.test_synthetic_models import MIXES
+
+    path = write_model(tmp_path / "gemma3.gguf", "gemma3", MIXES["k-quants"], seed=4)
+    model = _model(path, torch.bfloat16, ProductPolicy())
+    got, got_kv = _decode(model, True, mode, store=store)
+    want, want_kv = _decode(model, False, mode, store=store)
+    assert torch.equal(got, want)
+    for a, b in zip(got_kv, want_kv, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_steps_it_does_not_cover_take_the_loop(int8_model, fp32_model):
     """float32 (the reference keeps torch's norms), a model without the native ops, and
     steps whose attention is not the native decode op (prefix groups) run the loop."""

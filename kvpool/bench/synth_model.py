@@ -53,6 +53,7 @@ class Geometry:
 _L3 = {"rope_theta": 500000.0, "llama3_rope": True, "context": 131072}
 _Q3 = {"rope_theta": 1000000.0, "context": 40960, "key_length": 128}
 _G3 = {"rope_theta": 1000000.0, "context": 131072, "key_length": 256, "sliding_window": 1024}
+_G3_1B = {**_G3, "context": 32768, "sliding_window": 512}
 PRESETS = {
     "smollm2-135m": Geometry("llama", 576, 30, 9, 3, 1536, 49152, True, 100000.0),
     "llama-3.2-1b": Geometry("llama", 2048, 16, 32, 8, 8192, 128256, True, **_L3),
@@ -77,10 +78,7 @@ PRESETS = {
         expert_ffn=768,
         **_Q3,
     ),
-    "gemma3-1b": Geometry(
-        "gemma3", 1152, 26, 4, 1, 6912, 262144, True, **{**_G3, "context": 32768,
-                                                         "sliding_window": 512},
-    ),  # fmt: skip
+    "gemma3-1b": Geometry("gemma3", 1152, 26, 4, 1, 6912, 262144, True, **_G3_1B),
     "gemma3-4b": Geometry("gemma3", 2560, 34, 8, 4, 10240, 262208, True, rope_linear=8.0, **_G3),
 }
 MIXES = ("Q4_0", "Q8_0", "Q4_K_M")

@@ -343,7 +343,7 @@ class LlamaModel:
             x = layers.run(
                 x, cos, sin_signed, batch.slot_mapping, tables, lens, kv.layers, kv.block_size,
                 self.products.mode(x.shape[0]), self.heavy_threads, attention.native_heavy,
-                self.products.variant, starts, self._int8_max_rows(),
+                self.products.variant, starts, self._int8_max_rows(), *(local or ()),
             )  # fmt: skip
         else:
             x = self._layers(x, batch, kv, attention, (cos, sin_signed), local)
@@ -396,15 +396,16 @@ class LlamaModel:
         """``DecodeLayers`` (decode_layers.h): ``_layers`` for a decode step whose
         attention is the native decode op, in one native call, op for op the same (bit
         for bit: tested). None where ``_layers`` runs instead: no native ops (now),
-        float32 (the reference keeps torch's norms), dense products, gemma3's layers
-        (sliding windows, sandwich norms, gelu: not in the native call yet). Built once,
-        on the first step that can take it, from the layers as they are then (their
-        weights and biases do not change after load)."""
+        float32 (the reference keeps torch's norms), dense products. gemma3's layers take
+        their windows, rotations, sandwich norms and gelu into it (``shape_last_layer``).
+        Built once, on the first step that can take it, from the layers as they are
+        then (their weights and biases do not change after load)."""
         ops = self.native_fused
         if ops is None:  # (a test may take them away for a while: nothing is decided)
             return None
         cfg = self.config
-        if cfg.sliding_window or cfg.sandwich_norms or cfg.activation != "silu":
+        gemma = cfg.sliding_window or cfg.sandwich_norms or cfg.activation != "silu"
+        if gemma and not cfg.sandwich_norms:  # (no such files: their parts come together)
             return None
         if self._decode_layers is None:
             products = [_products(lr) for lr in self.layers]
@@ -412,7 +413,7 @@ class LlamaModel:
             self._decode_layers = False
             if self.dtype == torch.bfloat16 and quantized:
                 stack = ops.DecodeLayers(cfg.num_heads, cfg.rms_norm_eps, cfg.scale)
-                for layer in self.layers:
+                for i, layer in enumerate(self.layers):
                     norms = (layer.attn_norm, layer.ffn_norm)
                     qk = (layer.q_norm, layer.k_norm)
                     moe = layer.experts
@@ -422,6 +423,13 @@ class LlamaModel:
                     else:
                         parts = _parts([layer.qkv, layer.o])
                         stack.add_moe_layer(*norms, parts, *qk, moe.native_for(ops))
+                    if gemma:
+                        window = self.windows[i]
+                        stack.shape_last_layer(
+                            layer.post_attn_norm, layer.post_ffn_norm, window,
+                            bool(window) and self.inv_freq_local is not None,
+                            cfg.activation == "gelu_tanh",
+                        )  # fmt: skip
                 self._decode_layers = stack
         return self._decode_layers or None
 

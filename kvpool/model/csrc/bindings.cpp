@@ -108,6 +108,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "products qkv and o, its Q/K norms' weights or None, its MixtureOfExperts",
           py::arg("attn_norm"), py::arg("ffn_norm"), py::arg("products"), py::arg("q_norm"),
           py::arg("k_norm"), py::arg("experts"))
+      .def("shape_last_layer", &kvp::DecodeLayers::shape_last_layer,
+           "gemma3's parts of the last layer added: its post-attention and post-feed-forward "
+           "norms' weights, its sliding window (0: none), whether it rotates with the local "
+           "tables, whether its gate is gelu (tanh form)",
+           py::arg("post_attn_norm"), py::arg("post_ffn_norm"), py::arg("window"),
+           py::arg("local_rope"), py::arg("gelu"))
       .def("run", &kvp::DecodeLayers::run,
            "every layer of a decode step; x (updated in place) -> the residual after the last",
            py::arg("x"), py::arg("cos"), py::arg("sin_signed"), py::arg("slots"),
@@ -115,6 +121,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("block_size"), py::arg("mode"), py::arg("heavy_threads"),
            py::arg("heavy_attention"), py::arg("variant") = "",
            py::arg("query_start") = py::none(), py::arg("int8_max_rows") = -1,
+           py::arg("local_cos") = py::none(), py::arg("local_sin") = py::none(),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &kvp::DecodeLayers::num_layers);
 }

@@ -57,6 +57,22 @@ void DecodeLayers::add_moe_layer(const at::Tensor& attn_norm, const at::Tensor& 
                      std::move(products[1]), {}, {}, std::move(experts)});
 }
 
+void DecodeLayers::shape_last_layer(const at::Tensor& post_attn_norm,
+                                    const at::Tensor& post_ffn_norm, int64_t window,
+                                    bool local_rope, bool gelu) {
+  TORCH_CHECK(!layers_.empty(), "no layer to shape");
+  TORCH_CHECK(post_attn_norm.defined() == post_ffn_norm.defined(),
+              "post_attn_norm and post_ffn_norm: both or neither");
+  TORCH_CHECK(window >= 0, "a window of 0 (none) or more keys");
+  Layer& layer = layers_.back();
+  TORCH_CHECK(!gelu || !layer.experts, "a gelu gate is a dense feed-forward's");
+  layer.post_attn_norm = post_attn_norm;
+  layer.post_ffn_norm = post_ffn_norm;
+  layer.window = window;
+  layer.local_rope = local_rope;
+  layer.gelu = gelu;
+}
+
 at::Tensor DecodeLayers::run(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin_signed,
                              const at::Tensor& slots, const at::Tensor& block_tables,
                              const at::Tensor& context_lens,
@@ -64,11 +80,16 @@ at::Tensor DecodeLayers::run(at::Tensor x, const at::Tensor& cos, const at::Tens
                              int64_t mode, int64_t heavy_threads, bool heavy_attention,
                              const std::string& variant,
                              const c10::optional<at::Tensor>& query_start,
-                             int64_t int8_max_rows) const {
+                             int64_t int8_max_rows,
+                             const c10::optional<at::Tensor>& local_cos,
+                             const c10::optional<at::Tensor>& local_sin) const {
   TORCH_CHECK(!layers_.empty(), "no layers");
   TORCH_CHECK(kv_layers.size() == layers_.size(), "one KV store layer per layer");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
               "x: contiguous [tokens, hidden] bfloat16");
+  for (const Layer& layer : layers_)
+    TORCH_CHECK(!layer.local_rope || (local_cos.has_value() && local_sin.has_value()),
+                "a local layer's rotation: local_cos and local_sin");
   const std::string row_kernels;  // the row ops' kernels: the fastest, as the Python path
   auto product = [&](const LayerProduct& p, const at::Tensor& in) {
     auto y = on_threads(heavy_threads,
@@ -84,21 +105,32 @@ at::Tensor DecodeLayers::run(at::Tensor x, const at::Tensor& cos, const at::Tens
       const int64_t kv_heads = layer_kv.size(0) / 2;
       qkv = head_rms_norm(qkv, layer.q_norm, layer.k_norm, num_heads_, kv_heads, eps_, row_kernels);
     }
-    const at::Tensor q =
-        rope_write_kv(qkv, cos, sin_signed, layer_kv, slots, num_heads_, row_kernels);
+    const at::Tensor& c = layer.local_rope ? *local_cos : cos;
+    const at::Tensor& s = layer.local_rope ? *local_sin : sin_signed;
+    const at::Tensor q = rope_write_kv(qkv, c, s, layer_kv, slots, num_heads_, row_kernels);
     const at::Tensor out = on_threads(heavy_attention ? heavy_threads : 0, [&] {
       if (query_start.has_value())
         return paged_attention(q, layer_kv, block_tables, context_lens, *query_start, block_size,
-                               scale_, variant);
+                               scale_, variant, layer.window);
       return paged_decode_attention(q, layer_kv, block_tables, context_lens, block_size, scale_,
-                                    variant);
+                                    variant, layer.window);
     });
-    h = add_rms_norm_(x, product(layer.o, out), layer.ffn_norm, eps_, row_kernels);
-    const at::Tensor y =
-        layer.experts
-            ? on_threads(heavy_threads,
-                         [&] { return layer.experts->run(h, mode, int8_max_rows, variant); })
-            : product(layer.down, silu_mul(product(layer.gate_up, h), row_kernels));
+    at::Tensor attended = product(layer.o, out);
+    if (layer.post_attn_norm.defined())
+      attended = add_rms_norm_(attended, c10::nullopt, layer.post_attn_norm, eps_, row_kernels);
+    h = add_rms_norm_(x, attended, layer.ffn_norm, eps_, row_kernels);
+    at::Tensor y;
+    if (layer.experts) {
+      y = on_threads(heavy_threads,
+                     [&] { return layer.experts->run(h, mode, int8_max_rows, variant); });
+    } else if (layer.gelu) {  // LlamaModel._feed_forward's torch ops
+      const auto gate_up = product(layer.gate_up, h).chunk(2, -1);
+      y = product(layer.down, at::mul(at::gelu(gate_up[0], "tanh"), gate_up[1]));
+    } else {
+      y = product(layer.down, silu_mul(product(layer.gate_up, h), row_kernels));
+    }
+    if (layer.post_ffn_norm.defined())
+      y = add_rms_norm_(y, c10::nullopt, layer.post_ffn_norm, eps_, row_kernels);
     if (i + 1 < layers_.size())
       h = add_rms_norm_(x, y, layers_[i + 1].attn_norm, eps_, row_kernels);
     else

@@ -63,6 +63,12 @@ class DecodeLayers {
                      std::vector<LayerProduct> products, const at::Tensor& q_norm,
                      const at::Tensor& k_norm, std::shared_ptr<const MixtureOfExperts> experts);
 
+  // Gemma 3's parts of the last layer added: RMSNorms of attention's output and of the
+  // feed-forward's (both or neither), its sliding window (0: none) and rotation (local:
+  // run()'s local_cos / local_sin), and a gelu (tanh form) gate in place of silu.
+  void shape_last_layer(const at::Tensor& post_attn_norm, const at::Tensor& post_ffn_norm,
+                        int64_t window, bool local_rope, bool gelu);
+
   // x [B, hidden] bf16: the step's embedded tokens (its own tensor: updated in place).
   // Returns the residual stream after the last layer ([B, hidden]). mode: quant_matmul's;
   // heavy_threads > 0: products (and the attention with heavy_attention) on that many
@@ -77,7 +83,9 @@ class DecodeLayers {
                  int64_t block_size, int64_t mode, int64_t heavy_threads,
                  bool heavy_attention, const std::string& variant,
                  const c10::optional<at::Tensor>& query_start,
-                 int64_t int8_max_rows = -1) const;
+                 int64_t int8_max_rows = -1,
+                 const c10::optional<at::Tensor>& local_cos = c10::nullopt,
+                 const c10::optional<at::Tensor>& local_sin = c10::nullopt) const;
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
@@ -86,6 +94,9 @@ class DecodeLayers {
     at::Tensor attn_norm, ffn_norm, q_norm, k_norm;
     LayerProduct qkv, o, gate_up, down;
     std::shared_ptr<const MixtureOfExperts> experts;  // in place of gate_up and down
+    at::Tensor post_attn_norm, post_ffn_norm;  // gemma3 (shape_last_layer)
+    int64_t window = 0;
+    bool local_rope = false, gelu = false;
   };
   int64_t num_heads_;
   double eps_, scale_;
