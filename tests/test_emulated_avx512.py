@@ -37,6 +37,7 @@ KERNEL_TESTS = [
     "tests/test_quant_products.py",
     "tests/test_kv_dtype.py",
     "tests/test_native_ops.py",
+    "tests/test_sliding_window.py",
 ]
 AT_LEAST = 240
 # Whole-model tests, each on the kernels the runtime chooses (~100 s emulated, 2 cores).

@@ -136,7 +136,7 @@ def test_int8_products_on_the_default_model_stay_near_the_float_ones(default_mod
     assert agree >= 0.9 * positions
 
 
-PACKABLE = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+PACKABLE = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
 PACKED = 0x100
 
 
@@ -261,11 +261,12 @@ def _extreme_blocks(qtype: str, n: int, k: int, rng) -> torch.Tensor:
     """Rows by n % 4: every value the format's lowest, every value its highest, a mix
     (Q4_0: 15 in each block's first half, 0 in its second), random bytes; Q6_K's int8
     scales random over their whole range."""
-    if qtype == "Q4_0":
-        body = np.zeros((n, k // 32, 16), np.uint8)
+    if qtype in ("Q4_0", "Q5_0"):  # (Q5_0: qh[4] | qs[16], the same patterns over both)
+        width = 16 if qtype == "Q4_0" else 20
+        body = np.zeros((n, k // 32, width), np.uint8)
         body[1::4] = 0xFF
         body[2::4] = 0x0F
-        body[3::4] = rng.integers(0, 256, (n // 4, k // 32, 16), dtype=np.uint8)
+        body[3::4] = rng.integers(0, 256, (n // 4, k // 32, width), dtype=np.uint8)
         d = np.full((n, k // 32, 1), 0.5, np.float16).view(np.uint8).reshape(n, k // 32, 2)
         return torch.from_numpy(np.concatenate([d, body], axis=2).reshape(n, -1).copy())
     body = np.zeros((n, k // 256, 192), np.uint8)  # ql[128] | qh[64]: q all 0
@@ -279,7 +280,7 @@ def _extreme_blocks(qtype: str, n: int, k: int, rng) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("variant", [variant_param(v) for v in INT8_VARIANTS])
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q6_K"])
 def test_packed_offsets_in_the_sums_at_the_int16_limits(qtype, variant):
     """Q4_0's offset of 8 and Q6_K's of 32 taken into the integer sums (AVX2), at the
     extremes of int16: the format's lowest and highest values against activations all

@@ -10,6 +10,7 @@
 // a unit's 8 scales are one load):
 //   Q4_0 (144 B):  d[8] | nibbles[128]
 //   Q4_1 (160 B):  d[8] | m[8] | nibbles[128]
+//   Q5_0 (176 B):  d[8] | nibbles[128] | fifth bits[32]
 //   Q8_0 (272 B):  d[8] | q[256]                      (signed, as in the file)
 //   Q4_K (1184 B): d[8] | dmin[8] | sc[8][8] | m[8][8] | 8 units x nibbles[128]
 //                  (the 6-bit scales and mins unpacked to a byte each: 32 bytes more
@@ -20,6 +21,9 @@
 // q[256], 8 vectors j: byte 32 j + 4 r + i = value 4 j + i of row r.
 // high bits[64] (Q6_K's top 2 bits), 2 vectors s for t = 2 s, 2 s + 1: byte 32 s + 4 r + i
 //   holds, from bit 0, the values 8 t + i, 8 t + 4 + i of t = 2 s, then of t = 2 s + 1.
+// fifth bits[32] (Q5_0's top bit), one vector: byte 4 r + i holds in bit 2 t the value
+//   8 t + i's and in bit 2 t + 1 the value 8 t + 4 + i's (t = 0..3): at the byte of
+//   nibble vector t's same values, so a shift and a mask put them in place.
 //
 // Plain C++ (static inline, C headers only): see quant_blocks.h.
 
@@ -32,13 +36,13 @@ namespace kvp {
 constexpr int kGroup = 8;
 
 static inline bool packable(int t) {
-  return t == kQ4_0 || t == kQ4_1 || t == kQ8_0 || t == kQ4_K || t == kQ6_K;
+  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ8_0 || t == kQ4_K || t == kQ6_K;
 }
 
 // Bytes of a packed group-block's header, and of the group-block.
 static inline int header_bytes(int t) {
   switch (t) {
-    case kQ4_0: case kQ8_0: return 16;
+    case kQ4_0: case kQ5_0: case kQ8_0: return 16;
     case kQ4_1: return 32;
     case kQ4_K: return 16 + 16 + 64 + 64;
     case kQ6_K: return 16 + 128;
@@ -58,6 +62,11 @@ static inline int unit_value_t(const uint8_t* b, int j, int e) {
   switch (T) {
     case kQ4_0: return e < 16 ? b[2 + e] & 0xF : b[2 + e - 16] >> 4;
     case kQ4_1: return e < 16 ? b[4 + e] & 0xF : b[4 + e - 16] >> 4;
+    case kQ5_0: {
+      uint32_t qh;
+      memcpy(&qh, b + 2, 4);
+      return (e < 16 ? b[6 + e] & 0xF : b[6 + e - 16] >> 4) | (((qh >> e) & 1) << 4);
+    }
     case kQ8_0: return (int8_t)b[2 + e];
     case kQ4_K: return (b[16 + 32 * (j >> 1) + e] >> (4 * (j & 1))) & 0xF;
     case kQ6_K: {
@@ -86,7 +95,7 @@ static inline void pack_group_t(const uint8_t* rows, int64_t row_bytes, uint8_t*
     // headers
     for (int r = 0; r < kGroup; ++r) {
       switch (t) {
-        case kQ4_0: case kQ8_0: memcpy(o + 2 * r, src[r], 2); break;
+        case kQ4_0: case kQ5_0: case kQ8_0: memcpy(o + 2 * r, src[r], 2); break;
         case kQ4_1: memcpy(o + 2 * r, src[r], 2); memcpy(o + 16 + 2 * r, src[r] + 2, 2); break;
         case kQ4_K:
           memcpy(o + 2 * r, src[r], 2);
@@ -101,7 +110,7 @@ static inline void pack_group_t(const uint8_t* rows, int64_t row_bytes, uint8_t*
       }
     }
     uint8_t* body = o + header_bytes(t);
-    const int unit_bytes = t == kQ8_0 ? 256 : t == kQ6_K ? 192 : 128;
+    const int unit_bytes = t == kQ8_0 ? 256 : t == kQ6_K ? 192 : t == kQ5_0 ? 160 : 128;
     for (int j = 0; j < units; ++j) {
       uint8_t* u = body + j * unit_bytes;
       int v[kGroup][32];
@@ -117,6 +126,17 @@ static inline void pack_group_t(const uint8_t* rows, int64_t row_bytes, uint8_t*
         for (int r = 0; r < kGroup; ++r)
           for (int i = 0; i < 4; ++i)
             u[32 * q + 4 * r + i] = (uint8_t)((v[r][8 * q + i] & 0xF) | ((v[r][8 * q + 4 + i] & 0xF) << 4));
+      if (t == kQ5_0) {
+        for (int r = 0; r < kGroup; ++r)
+          for (int i = 0; i < 4; ++i) {
+            int bits = 0;
+            for (int q = 0; q < 4; ++q) {
+              bits |= ((v[r][8 * q + i] >> 4) & 1) << (2 * q);
+              bits |= ((v[r][8 * q + 4 + i] >> 4) & 1) << (2 * q + 1);
+            }
+            u[128 + 4 * r + i] = (uint8_t)bits;
+          }
+      }
       if (t == kQ6_K) {
         for (int s = 0; s < 2; ++s)
           for (int r = 0; r < kGroup; ++r)
@@ -138,6 +158,7 @@ static inline void pack_group(int t, const uint8_t* rows, int64_t row_bytes, uin
   switch (t) {
     case kQ4_0: return pack_group_t<kQ4_0>(rows, row_bytes, out);
     case kQ4_1: return pack_group_t<kQ4_1>(rows, row_bytes, out);
+    case kQ5_0: return pack_group_t<kQ5_0>(rows, row_bytes, out);
     case kQ8_0: return pack_group_t<kQ8_0>(rows, row_bytes, out);
     case kQ4_K: return pack_group_t<kQ4_K>(rows, row_bytes, out);
     case kQ6_K: return pack_group_t<kQ6_K>(rows, row_bytes, out);
@@ -149,10 +170,11 @@ static inline void pack_group(int t, const uint8_t* rows, int64_t row_bytes, uin
 static inline int packed_value(int t, const uint8_t* o, int j, int r, int e) {
   const uint8_t* body = o + header_bytes(t);
   if (t == kQ8_0) return (int8_t)body[256 * j + 32 * (e / 4) + 4 * r + e % 4];
-  const int unit_bytes = t == kQ6_K ? 192 : 128;
+  const int unit_bytes = t == kQ6_K ? 192 : t == kQ5_0 ? 160 : 128;
   const uint8_t* u = body + j * unit_bytes;
   const int q = e / 8, w = e % 8, i = w % 4;
   const int nibble = (u[32 * q + 4 * r + i] >> (w < 4 ? 0 : 4)) & 0xF;
+  if (t == kQ5_0) return nibble | (((u[128 + 4 * r + i] >> (2 * q + (w < 4 ? 0 : 1))) & 1) << 4);
   if (t != kQ6_K) return nibble;
   const int shift = 4 * (q & 1) + (w < 4 ? 0 : 2);
   return nibble | (((u[128 + 32 * (q >> 1) + 4 * r + i] >> shift) & 3) << 4);
@@ -165,11 +187,11 @@ static inline void dequantize_packed_row(int t, const uint8_t* group, int64_t k,
     const uint8_t* o = group + blk * group_block_bytes(t);
     float* out = y + blk * be;
     const float d = read_fp16(o + 2 * r);
-    if (t == kQ4_0 || t == kQ4_1 || t == kQ8_0) {
+    if (t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ8_0) {
       const float m = t == kQ4_1 ? read_fp16(o + 16 + 2 * r) : 0.f;
       for (int e = 0; e < 32; ++e) {
         const int q = packed_value(t, o, 0, r, e);
-        out[e] = t == kQ4_0 ? (q - 8) * d : t == kQ4_1 ? q * d + m : q * d;
+        out[e] = t == kQ4_0 ? (q - 8) * d : t == kQ4_1 ? q * d + m : t == kQ5_0 ? (q - 16) * d : q * d;
       }
     } else if (t == kQ4_K) {
       const float dmin = read_fp16(o + 16 + 2 * r);
