@@ -9,20 +9,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvpool.model.cpu import cpu_features  # noqa: E402
 from kvpool.model.native import native_ops  # noqa: E402
+from tests.test_native_ops import VARIANTS, needs_variant  # noqa: E402
 
 ops = native_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="native ops not built here")
-VARIANTS = ["avx512-bf16", "avx512-vnni", "avx2", "generic"]
-
-
-def needs_variant(variant: str):
-    runnable = ops.kernel_variants() if ops is not None else []
-    return pytest.mark.skipif(
-        variant not in runnable,
-        reason=f"this CPU cannot run the {variant} kernels ({cpu_features().summary()})",
-    )
 
 
 def reference(q, layer_kv, tables, lens, starts, block_size, window):

@@ -239,6 +239,9 @@ class LlamaModel:
         # Sliding-window (local) layers (gemma3): each layer's window, 0 for a global one,
         # and the local layers' rotary frequencies (their own base, no scaling)
         self.windows = [config.layer_window(i) for i in range(config.num_layers)]
+        self._embedding_scale: torch.Tensor | None = None  # the embedding's factor, made once
+        if config.embedding_scale != 1.0:
+            self._embedding_scale = torch.tensor(config.embedding_scale, dtype=dtype)
         self.inv_freq_local: torch.Tensor | None = None
         if config.rope_local_theta:
             self.inv_freq_local = (1.0 / config.rope_local_theta**exponents).to(device)
@@ -324,8 +327,8 @@ class LlamaModel:
         states of the same rows (embeddings)."""
         cos, sin_signed = self._rope(batch.positions)
         x = self.embed[batch.input_ids].contiguous()  # the step's own: updated in place
-        if self.config.embedding_scale != 1.0:  # (gemma3: sqrt(hidden), in the dtype)
-            x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
+        if self._embedding_scale is not None:  # (gemma3: sqrt(hidden), in the dtype)
+            x = x * self._embedding_scale
         attention = StepAttention(self, batch, kv)
         if self.native_fused is not None:
             cos, sin_signed = cos.contiguous(), sin_signed.contiguous()
