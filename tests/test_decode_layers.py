@@ -161,7 +161,7 @@ def test_native_layers_with_experts(tmp_path, mode, int8_max_rows):
 def test_native_layers_with_gemma3_layers(tmp_path, mode, store):
     """Gemma 3's layers run in the native call as in the loop: local layers with their
     window (contexts past it) and rotation, the global one with its own, the sandwich
-    norms, the gelu gate."""
+    norms, the gelu gate; and with every layer made global after its first step."""
     from kvpool.model.products import ProductPolicy
     from tests.synthetic_gguf import write_model
     from tests.test_synthetic_models import MIXES
@@ -173,6 +173,11 @@ def test_native_layers_with_gemma3_layers(tmp_path, mode, store):
     assert torch.equal(got, want)
     for a, b in zip(got_kv, want_kv, strict=True):
         assert torch.equal(a, b)
+    # windows changed after the native call was built: built again with them
+    model.windows = [0] * len(model.windows)
+    global_got, _ = _decode(model, True, mode, store=store)
+    global_want, _ = _decode(model, False, mode, store=store)
+    assert torch.equal(global_got, global_want) and not torch.equal(global_got, got)
 
 
 def test_steps_it_does_not_cover_take_the_loop(int8_model, fp32_model):

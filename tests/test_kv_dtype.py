@@ -97,8 +97,10 @@ def test_float_stores_hold_the_rows_rounded_to_their_dtype(dtype):
     assert torch.equal(store[2:], v.transpose(0, 1).to(dtype))
 
 
-def _reference(q, keys, values, tables, lens, starts, block_size):
-    """Each sequence's new tokens over its own context, causal: plain softmax in fp32."""
+def _reference(q, keys, values, tables, lens, starts, block_size, window=0):
+    """Each sequence's new tokens over its own context, causal: plain softmax in the keys'
+    dtype. A token at position ``p`` sees the keys ``p - window + 1 .. p`` (all up to
+    ``p`` for window 0)."""
     nkv, d = keys.shape[0], keys.shape[2]
     nh = q.shape[1]
     rows = []
@@ -108,8 +110,11 @@ def _reference(q, keys, values, tables, lens, starts, block_size):
         k = keys[:, slots].repeat_interleave(nh // nkv, 0)
         v = values[:, slots].repeat_interleave(nh // nkv, 0)
         queries = q[first:last].to(keys.dtype).transpose(0, 1)  # [nh, n, d]
-        positions = torch.arange(n_ctx - (last - first), n_ctx)
-        seen = torch.arange(n_ctx)[None, :] <= positions[:, None]
+        positions = torch.arange(n_ctx - (last - first), n_ctx)[:, None]
+        key_positions = torch.arange(n_ctx)[None, :]
+        seen = key_positions <= positions
+        if window:
+            seen &= key_positions > positions - window
         scores = (queries @ k.transpose(1, 2) * d**-0.5).masked_fill(~seen, float("-inf"))
         rows.append((torch.softmax(scores, -1) @ v).transpose(0, 1).reshape(last - first, -1))
     return torch.cat(rows)

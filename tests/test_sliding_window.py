@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvpool.model.native import native_ops  # noqa: E402
+from tests.test_kv_dtype import _reference  # noqa: E402
 from tests.test_native_ops import VARIANTS, needs_variant  # noqa: E402
 
 ops = native_ops()
@@ -17,23 +18,10 @@ pytestmark = pytest.mark.skipif(ops is None, reason="native ops not built here")
 
 
 def reference(q, layer_kv, tables, lens, starts, block_size, window):
-    """Each sequence's new tokens over its own context: causal, and a token at position
-    ``p`` sees the keys ``p - window + 1 .. p`` (all up to ``p`` for window 0); fp32."""
+    """test_kv_dtype's causal reference over a layer's K/V rows, windowed, in fp32."""
     nkv = layer_kv.shape[0] // 2
-    nh, d = q.shape[1], q.shape[2]
-    rows = []
-    for s in range(len(lens)):
-        n_ctx, first, last = int(lens[s]), int(starts[s]), int(starts[s + 1])
-        slots = (tables[s][:, None] * block_size + torch.arange(block_size)).reshape(-1)[:n_ctx]
-        k = layer_kv[:nkv, slots].float().repeat_interleave(nh // nkv, 0)
-        v = layer_kv[nkv:, slots].float().repeat_interleave(nh // nkv, 0)
-        queries = q[first:last].float().transpose(0, 1)
-        pos = torch.arange(n_ctx - (last - first), n_ctx)[:, None]
-        keys = torch.arange(n_ctx)[None, :]
-        seen = (keys <= pos) & ((keys > pos - window) if window else True)
-        scores = (queries @ k.transpose(1, 2) * d**-0.5).masked_fill(~seen, float("-inf"))
-        rows.append((torch.softmax(scores, -1) @ v).transpose(0, 1).reshape(last - first, -1))
-    return torch.cat(rows)
+    k, v = layer_kv[:nkv].float(), layer_kv[nkv:].float()
+    return _reference(q, k, v, tables, lens, starts, block_size, window)
 
 
 def _case(head_dim: int, block_size: int, dtype, seed: int):

@@ -59,6 +59,13 @@ class ModelConfig:
         """The attention scores' factor."""
         return self.attention_scale or self.head_dim**-0.5
 
+    @property
+    def shaped_layers(self) -> bool:
+        """Layers shaped as Gemma 3's: any of windows, sandwich norms, a gate other than
+        silu. (No file has one of them without the sandwich norms; their parts come
+        together.)"""
+        return bool(self.sliding_window or self.sandwich_norms or self.activation != "silu")
+
     def layer_window(self, layer: int) -> int:
         """Keys a query of ``layer`` sees, its own included (0: its whole context)."""
         if not self.sliding_window or (layer + 1) % self.sliding_period == 0:

@@ -260,6 +260,7 @@ class LlamaModel:
         # The layers as one native call for decode steps (``_native_layers``): built at
         # the first step that can take it; False where the model cannot.
         self._decode_layers: Any = None
+        self._decode_layers_windows: list[int] = []  # the windows it was built with
 
     def _heavy(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a matrix product or a large gather on ``heavy_threads`` threads."""
@@ -402,14 +403,16 @@ class LlamaModel:
         float32 (the reference keeps torch's norms), dense products. gemma3's layers take
         their windows, rotations, sandwich norms and gelu into it (``shape_last_layer``).
         Built once, on the first step that can take it, from the layers as they are
-        then (their weights and biases do not change after load)."""
+        then (their weights and biases do not change after load), and again if
+        ``windows`` has changed since."""
         ops = self.native_fused
         if ops is None:  # (a test may take them away for a while: nothing is decided)
             return None
         cfg = self.config
-        gemma = cfg.sliding_window or cfg.sandwich_norms or cfg.activation != "silu"
-        if gemma and not cfg.sandwich_norms:  # (no such files: their parts come together)
+        if cfg.shaped_layers and not cfg.sandwich_norms:  # (no such files)
             return None
+        if self._decode_layers_windows != self.windows:  # (tests change them: built again)
+            self._decode_layers, self._decode_layers_windows = None, list(self.windows)
         if self._decode_layers is None:
             products = [_products(lr) for lr in self.layers]
             quantized = all(isinstance(p, QuantLinear) for ps in products for p in ps)
@@ -426,7 +429,7 @@ class LlamaModel:
                     else:
                         parts = _parts([layer.qkv, layer.o])
                         stack.add_moe_layer(*norms, parts, *qk, moe.native_for(ops))
-                    if gemma:
+                    if cfg.shaped_layers:
                         window = self.windows[i]
                         stack.shape_last_layer(
                             layer.post_attn_norm, layer.post_ffn_norm, window,
