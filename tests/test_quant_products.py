@@ -136,7 +136,7 @@ def test_int8_products_on_the_default_model_stay_near_the_float_ones(default_mod
     assert agree >= 0.9 * positions
 
 
-PACKABLE = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
+PACKABLE = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 PACKED = 0x100
 
 
@@ -172,7 +172,8 @@ def test_the_packed_layout_holds_the_same_values(qtype):
     tid = TYPES[qtype][0]
     raw = blocks(qtype, 24, 512, seed=3)
     packed = ops.quant_pack(raw, tid)
-    extra = raw.numel() * 32 // (8 * 144) if qtype == "Q4_K" else 0  # scales unpacked: +2.8%
+    # the K-quants' scales unpacked: 32 bytes more per 8 blocks (Q4_K +2.8%, Q5_K +2.3%)
+    extra = raw.numel() * 32 // (8 * TYPES[qtype][2]) if qtype in ("Q4_K", "Q5_K") else 0
     assert packed.numel() == raw.numel() + extra and packed.shape[0] == 3
     want = dequantize(raw.numpy(), GGMLQuantizationType(tid))
     assert np.array_equal(ops.quant_dequantize(packed, tid | PACKED, 512).numpy(), want)
@@ -260,7 +261,7 @@ def test_products_in_bf16_round_once_as_torch_does(rows, mode):
 def _extreme_blocks(qtype: str, n: int, k: int, rng) -> torch.Tensor:
     """Rows by n % 4: every value the format's lowest, every value its highest, a mix
     (Q4_0: 15 in each block's first half, 0 in its second), random bytes; Q6_K's int8
-    scales random over their whole range."""
+    scales random over their whole range; Q5_K's scales and mins all 63 (the largest)."""
     if qtype in ("Q4_0", "Q5_0"):  # (Q5_0: qh[4] | qs[16], the same patterns over both)
         width = 16 if qtype == "Q4_0" else 20
         body = np.zeros((n, k // 32, width), np.uint8)
@@ -268,6 +269,14 @@ def _extreme_blocks(qtype: str, n: int, k: int, rng) -> torch.Tensor:
         body[2::4] = 0x0F
         body[3::4] = rng.integers(0, 256, (n // 4, k // 32, width), dtype=np.uint8)
         d = np.full((n, k // 32, 1), 0.5, np.float16).view(np.uint8).reshape(n, k // 32, 2)
+        return torch.from_numpy(np.concatenate([d, body], axis=2).reshape(n, -1).copy())
+    if qtype == "Q5_K":  # d, dmin | scales[12] | qh[32] | qs[128]
+        body = np.zeros((n, k // 256, 172), np.uint8)
+        body[:, :, :12] = 0xFF  # every 6-bit scale and min 63
+        body[1::4, :, 12:] = 0xFF  # q all 31
+        body[2::4, :, 44:] = 0x0F  # q 15 or 0 by position, no fifth bits
+        body[3::4, :, 12:] = rng.integers(0, 256, (n // 4, k // 256, 160), dtype=np.uint8)
+        d = np.full((n, k // 256, 2), 2**-7, np.float16).view(np.uint8).reshape(n, k // 256, 4)
         return torch.from_numpy(np.concatenate([d, body], axis=2).reshape(n, -1).copy())
     body = np.zeros((n, k // 256, 192), np.uint8)  # ql[128] | qh[64]: q all 0
     body[1::4] = 0xFF  # q all 63
@@ -280,10 +289,10 @@ def _extreme_blocks(qtype: str, n: int, k: int, rng) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("variant", [variant_param(v) for v in INT8_VARIANTS])
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q5_K", "Q6_K"])
 def test_packed_offsets_in_the_sums_at_the_int16_limits(qtype, variant):
-    """Q4_0's offset of 8 and Q6_K's of 32 taken into the integer sums (AVX2), at the
-    extremes of int16: the format's lowest and highest values against activations all
+    """Q4_0's offset of 8 and Q6_K's of 32 taken into the integer sums (AVX2), and the
+    5-bit formats' sums by halves, at the extremes of int16: the format's lowest and highest values against activations all
     at +-127, signs by position mod 4 (the lanes an offset is split over). Activations
     of +-1 quantize exactly, so the integer products must equal the dequantized float
     product to its rounding; a wrapped int16 sum would be off by 65536 times a scale.

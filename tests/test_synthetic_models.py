@@ -370,7 +370,7 @@ def test_synth_model_presets_have_the_published_sizes():
         assert count == PUBLISHED_PARAMETERS[name], name
 
 
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q4_0", "Q8_0"])
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q4_0", "Q8_0"])
 @pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-30b-a3b"])
 def test_synth_model_writes_a_qwen3_file_the_runtime_loads(tmp_path: Path, mix: str, preset):
     """A qwen3 geometry shrunk to test size, written by ``kvpool bench synth-model``'s
@@ -390,7 +390,9 @@ def test_synth_model_writes_a_qwen3_file_the_runtime_loads(tmp_path: Path, mix: 
     path = write(tiny, mix, tmp_path / "tiny.gguf", progress=False)
     infos = {t.name: t for t in read_gguf_header(path).tensors}
     types = {name: t.ggml_type for name, t in infos.items()}
-    assert len(set(types.values())) >= (3 if mix == "Q4_K_M" else 2)  # F32 norms too
+    assert len(set(types.values())) >= (3 if mix.endswith("_K_M") else 2)  # F32 norms too
+    base = {"Q4_K_M": 12, "Q5_K_M": 13, "Q4_0": 2, "Q8_0": 8}[mix]  # Q4_K, Q5_K
+    assert types["blk.0.attn_q.weight"] == base
     if tiny.experts:
         assert tuple(infos["blk.0.ffn_down_exps.weight"].shape) == (256, 256, 8)  # ggml order
         assert types["blk.0.ffn_gate_inp.weight"] == 0  # F32

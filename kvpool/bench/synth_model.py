@@ -8,7 +8,7 @@ lengths included; each preset's parameter count is the published one: tested); m
 llama.cpp's quantize rules: ``Q4_0`` and ``Q8_0`` quantize every matrix alike (Q4_0's
 output head is Q6_K, as llama.cpp makes it), ``Q4_K_M`` uses Q4_K with Q6_K for the
 output head and for ``attn_v`` / ``ffn_down`` in the layers llama.cpp gives more bits
-(the first and last eighth, and every third in between). A tied embedding is the head,
+(the first and last eighth, and every third in between); ``Q5_K_M`` the same with Q5_K. A tied embedding is the head,
 so it gets the head's type. The vocabulary is a SentencePiece one of the real size (byte
 tokens, a few pieces and fillers) with a ChatML template.
 """
@@ -81,9 +81,9 @@ PRESETS = {
     "gemma3-1b": Geometry("gemma3", 1152, 26, 4, 1, 6912, 262144, True, **_G3_1B),
     "gemma3-4b": Geometry("gemma3", 2560, 34, 8, 4, 10240, 262208, True, rope_linear=8.0, **_G3),
 }
-MIXES = ("Q4_0", "Q8_0", "Q4_K_M")
+MIXES = ("Q4_0", "Q8_0", "Q4_K_M", "Q5_K_M")
 FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # llama.cpp's, for such rows
-FILE_TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15}  # llama.cpp's general.file_type
+FILE_TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17}  # llama.cpp's general.file_type
 WEIGHT_SCALE = 0.06  # spread of the random weights (keeps activations finite and moving)
 
 
@@ -100,9 +100,10 @@ def tensor_type(mix: str, name: str, layer: int, geometry: Geometry) -> str:
         qtype = "Q8_0"
     elif mix == "Q4_0":
         qtype = "Q6_K" if head else "Q4_0"
-    else:
+    else:  # Q4_K_M, Q5_K_M
         more = name.endswith(("attn_v.weight", "ffn_down.weight"))
-        qtype = "Q6_K" if head or (more and _more_bits(layer, geometry.layers)) else "Q4_K"
+        base = mix[:4]
+        qtype = "Q6_K" if head or (more and _more_bits(layer, geometry.layers)) else base
     return qtype
 
 

@@ -14,14 +14,16 @@
 //   Q8_0 (272 B):  d[8] | q[256]                      (signed, as in the file)
 //   Q4_K (1184 B): d[8] | dmin[8] | sc[8][8] | m[8][8] | 8 units x nibbles[128]
 //                  (the 6-bit scales and mins unpacked to a byte each: 32 bytes more
-//                  per 8 blocks, 2.8%, the only layout not the file's size)
+//                  per 8 blocks, 2.8%; Q5_K's the same, 2.3%: the layouts not the file's
+//                  size)
+//   Q5_K (1440 B): Q4_K's header | 8 units x (nibbles[128] | fifth bits[32])
 //   Q6_K (1680 B): d[8] | sc[16][8] (int8) | 8 units x (nibbles[128] | high bits[64])
 // nibbles[128], 4 vectors t: byte 32 t + 4 r + i = value 8 t + i of row r (low nibble)
 //   and value 8 t + 4 + i (high nibble).
 // q[256], 8 vectors j: byte 32 j + 4 r + i = value 4 j + i of row r.
 // high bits[64] (Q6_K's top 2 bits), 2 vectors s for t = 2 s, 2 s + 1: byte 32 s + 4 r + i
 //   holds, from bit 0, the values 8 t + i, 8 t + 4 + i of t = 2 s, then of t = 2 s + 1.
-// fifth bits[32] (Q5_0's top bit), one vector: byte 4 r + i holds in bit 2 t the value
+// fifth bits[32] (Q5_0's and Q5_K's top bit), one vector: byte 4 r + i holds in bit 2 t the value
 //   8 t + i's and in bit 2 t + 1 the value 8 t + 4 + i's (t = 0..3): at the byte of
 //   nibble vector t's same values, so a shift and a mask put them in place.
 //
@@ -36,7 +38,8 @@ namespace kvp {
 constexpr int kGroup = 8;
 
 static inline bool packable(int t) {
-  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ8_0 || t == kQ4_K || t == kQ6_K;
+  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ8_0 || t == kQ4_K || t == kQ5_K ||
+         t == kQ6_K;
 }
 
 // Bytes of a packed group-block's header, and of the group-block.
@@ -44,19 +47,19 @@ static inline int header_bytes(int t) {
   switch (t) {
     case kQ4_0: case kQ5_0: case kQ8_0: return 16;
     case kQ4_1: return 32;
-    case kQ4_K: return 16 + 16 + 64 + 64;
+    case kQ4_K: case kQ5_K: return 16 + 16 + 64 + 64;
     case kQ6_K: return 16 + 128;
     default: return 0;
   }
 }
 static inline int64_t group_block_bytes(int t) {
-  return t == kQ4_K ? 8 * 144 + 32 : 8 * (int64_t)block_bytes(t);
+  return t == kQ4_K || t == kQ5_K ? 8 * (int64_t)block_bytes(t) + 32 : 8 * (int64_t)block_bytes(t);
 }
 // Bytes of one packed group of 8 rows of k values.
 static inline int64_t group_bytes(int t, int64_t k) { return k / block_elems(t) * group_block_bytes(t); }
 
 // Value e (0..31) of unit j of a file block, as the unsigned (Q4_0, Q4_1, Q4_K: 0..15;
-// Q6_K: 0..63) or signed (Q8_0) integer the format stores.
+// Q5_0, Q5_K: 0..31; Q6_K: 0..63) or signed (Q8_0) integer the format stores.
 template <int T>
 static inline int unit_value_t(const uint8_t* b, int j, int e) {
   switch (T) {
@@ -69,6 +72,8 @@ static inline int unit_value_t(const uint8_t* b, int j, int e) {
     }
     case kQ8_0: return (int8_t)b[2 + e];
     case kQ4_K: return (b[16 + 32 * (j >> 1) + e] >> (4 * (j & 1))) & 0xF;
+    case kQ5_K:  // d, dmin, scales[12], qh[32] (bit j: unit j's), qs[128] (as Q4_K's)
+      return ((b[48 + 32 * (j >> 1) + e] >> (4 * (j & 1))) & 0xF) | (((b[16 + e] >> j) & 1) << 4);
     case kQ6_K: {
       const int n = j >> 2, i = j & 3;
       const int low = (b[64 * n + 32 * (i & 1) + e] >> (4 * (i >> 1))) & 0xF;
@@ -97,7 +102,7 @@ static inline void pack_group_t(const uint8_t* rows, int64_t row_bytes, uint8_t*
       switch (t) {
         case kQ4_0: case kQ5_0: case kQ8_0: memcpy(o + 2 * r, src[r], 2); break;
         case kQ4_1: memcpy(o + 2 * r, src[r], 2); memcpy(o + 16 + 2 * r, src[r] + 2, 2); break;
-        case kQ4_K:
+        case kQ4_K: case kQ5_K:
           memcpy(o + 2 * r, src[r], 2);
           memcpy(o + 16 + 2 * r, src[r] + 2, 2);
           for (int j = 0; j < 8; ++j) scale_min_k4(j, src[r] + 4, o + 32 + 8 * j + r, o + 96 + 8 * j + r);
@@ -110,7 +115,7 @@ static inline void pack_group_t(const uint8_t* rows, int64_t row_bytes, uint8_t*
       }
     }
     uint8_t* body = o + header_bytes(t);
-    const int unit_bytes = t == kQ8_0 ? 256 : t == kQ6_K ? 192 : t == kQ5_0 ? 160 : 128;
+    const int unit_bytes = t == kQ8_0 ? 256 : t == kQ6_K ? 192 : t == kQ5_0 || t == kQ5_K ? 160 : 128;
     for (int j = 0; j < units; ++j) {
       uint8_t* u = body + j * unit_bytes;
       int v[kGroup][32];
@@ -126,7 +131,7 @@ static inline void pack_group_t(const uint8_t* rows, int64_t row_bytes, uint8_t*
         for (int r = 0; r < kGroup; ++r)
           for (int i = 0; i < 4; ++i)
             u[32 * q + 4 * r + i] = (uint8_t)((v[r][8 * q + i] & 0xF) | ((v[r][8 * q + 4 + i] & 0xF) << 4));
-      if (t == kQ5_0) {
+      if (t == kQ5_0 || t == kQ5_K) {
         for (int r = 0; r < kGroup; ++r)
           for (int i = 0; i < 4; ++i) {
             int bits = 0;
@@ -161,6 +166,7 @@ static inline void pack_group(int t, const uint8_t* rows, int64_t row_bytes, uin
     case kQ5_0: return pack_group_t<kQ5_0>(rows, row_bytes, out);
     case kQ8_0: return pack_group_t<kQ8_0>(rows, row_bytes, out);
     case kQ4_K: return pack_group_t<kQ4_K>(rows, row_bytes, out);
+    case kQ5_K: return pack_group_t<kQ5_K>(rows, row_bytes, out);
     case kQ6_K: return pack_group_t<kQ6_K>(rows, row_bytes, out);
     default: return;
   }
@@ -170,11 +176,11 @@ static inline void pack_group(int t, const uint8_t* rows, int64_t row_bytes, uin
 static inline int packed_value(int t, const uint8_t* o, int j, int r, int e) {
   const uint8_t* body = o + header_bytes(t);
   if (t == kQ8_0) return (int8_t)body[256 * j + 32 * (e / 4) + 4 * r + e % 4];
-  const int unit_bytes = t == kQ6_K ? 192 : t == kQ5_0 ? 160 : 128;
+  const int unit_bytes = t == kQ6_K ? 192 : t == kQ5_0 || t == kQ5_K ? 160 : 128;
   const uint8_t* u = body + j * unit_bytes;
   const int q = e / 8, w = e % 8, i = w % 4;
   const int nibble = (u[32 * q + 4 * r + i] >> (w < 4 ? 0 : 4)) & 0xF;
-  if (t == kQ5_0) return nibble | (((u[128 + 4 * r + i] >> (2 * q + (w < 4 ? 0 : 1))) & 1) << 4);
+  if (t == kQ5_0 || t == kQ5_K) return nibble | (((u[128 + 4 * r + i] >> (2 * q + (w < 4 ? 0 : 1))) & 1) << 4);
   if (t != kQ6_K) return nibble;
   const int shift = 4 * (q & 1) + (w < 4 ? 0 : 2);
   return nibble | (((u[128 + 32 * (q >> 1) + 4 * r + i] >> shift) & 3) << 4);
@@ -193,7 +199,7 @@ static inline void dequantize_packed_row(int t, const uint8_t* group, int64_t k,
         const int q = packed_value(t, o, 0, r, e);
         out[e] = t == kQ4_0 ? (q - 8) * d : t == kQ4_1 ? q * d + m : t == kQ5_0 ? (q - 16) * d : q * d;
       }
-    } else if (t == kQ4_K) {
+    } else if (t == kQ4_K || t == kQ5_K) {
       const float dmin = read_fp16(o + 16 + 2 * r);
       for (int j = 0; j < units; ++j) {
         const uint8_t sc = o[32 + 8 * j + r], m = o[96 + 8 * j + r];
