@@ -291,12 +291,12 @@ def _extreme_blocks(qtype: str, n: int, k: int, rng) -> torch.Tensor:
 @pytest.mark.parametrize("variant", [variant_param(v) for v in INT8_VARIANTS])
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q5_K", "Q6_K"])
 def test_packed_offsets_in_the_sums_at_the_int16_limits(qtype, variant):
-    """Q4_0's offset of 8 and Q6_K's of 32 taken into the integer sums (AVX2), and the
-    5-bit formats' sums by halves, at the extremes of int16: the format's lowest and highest values against activations all
-    at +-127, signs by position mod 4 (the lanes an offset is split over). Activations
-    of +-1 quantize exactly, so the integer products must equal the dequantized float
-    product to its rounding; a wrapped int16 sum would be off by 65536 times a scale.
-    Batch and rows alone (different kernels) alike."""
+    """Q4_0's offset of 8 and Q6_K's of 32 taken into the integer sums (AVX2), and the 5-bit
+    formats' sums by halves, at the extremes of int16: the format's lowest and highest
+    values against activations all at +-127, signs by position mod 4 (the lanes an offset is
+    split over). Activations of +-1 quantize exactly, so the integer products must equal the
+    dequantized float product to its rounding; a wrapped int16 sum would be off by 65536
+    times a scale. Batch and rows alone (different kernels) alike."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 

@@ -5,12 +5,12 @@ and arithmetic are real, and llama.cpp runs the same files.
 
 Geometries follow the models' published configs (vocabulary sizes, head widths and context
 lengths included; each preset's parameter count is the published one: tested); mixes follow
-llama.cpp's quantize rules: ``Q4_0`` and ``Q8_0`` quantize every matrix alike (Q4_0's
-output head is Q6_K, as llama.cpp makes it), ``Q4_K_M`` uses Q4_K with Q6_K for the
-output head and for ``attn_v`` / ``ffn_down`` in the layers llama.cpp gives more bits
-(the first and last eighth, and every third in between); ``Q5_K_M`` the same with Q5_K. A tied embedding is the head,
-so it gets the head's type. The vocabulary is a SentencePiece one of the real size (byte
-tokens, a few pieces and fillers) with a ChatML template.
+llama.cpp's quantize rules: ``Q4_0`` and ``Q8_0`` quantize every matrix alike (Q4_0's output
+head is Q6_K, as llama.cpp makes it), ``Q4_K_M`` uses Q4_K with Q6_K for the output head and
+for ``attn_v`` / ``ffn_down`` in the layers llama.cpp gives more bits (the first and last
+eighth, and every third in between); ``Q5_K_M`` the same with Q5_K. A tied embedding is the
+head, so it gets the head's type. The vocabulary is a SentencePiece one of the real size
+(byte tokens, a few pieces and fillers) with a ChatML template.
 """
 
 from __future__ import annotations
