@@ -102,7 +102,7 @@ def tensor_type(mix: str, name: str, layer: int, geometry: Geometry) -> str:
         qtype = "Q6_K" if head else "Q4_0"
     else:  # Q4_K_M, Q5_K_M
         more = name.endswith(("attn_v.weight", "ffn_down.weight"))
-        base = mix[:4]
+        base = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}[mix]
         qtype = "Q6_K" if head or (more and _more_bits(layer, geometry.layers)) else base
     return qtype
 

@@ -238,7 +238,7 @@ class LlamaModel:
         self.inv_freq = inv_freq.to(device)
         # Sliding-window (local) layers (gemma3): each layer's window, 0 for a global one,
         # and the local layers' rotary frequencies (their own base, no scaling)
-        self.windows = [config.layer_window(i) for i in range(config.num_layers)]
+        self._windows = [config.layer_window(i) for i in range(config.num_layers)]
         self._embedding_scale: torch.Tensor | None = None  # the embedding's factor, made once
         if config.embedding_scale != 1.0:
             self._embedding_scale = torch.tensor(config.embedding_scale, dtype=dtype)
@@ -260,7 +260,17 @@ class LlamaModel:
         # The layers as one native call for decode steps (``_native_layers``): built at
         # the first step that can take it; False where the model cannot.
         self._decode_layers: Any = None
-        self._decode_layers_windows: list[int] = []  # the windows it was built with
+
+    @property
+    def windows(self) -> list[int]:
+        """Each layer's window (0: global)."""
+        return self._windows
+
+    @windows.setter
+    def windows(self, windows: list[int]) -> None:
+        """New windows (tests): the native call, which holds them, is built again."""
+        self._windows = list(windows)
+        self._decode_layers = None
 
     def _heavy(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run a matrix product or a large gather on ``heavy_threads`` threads."""
@@ -403,16 +413,14 @@ class LlamaModel:
         float32 (the reference keeps torch's norms), dense products. gemma3's layers take
         their windows, rotations, sandwich norms and gelu into it (``shape_last_layer``).
         Built once, on the first step that can take it, from the layers as they are
-        then (their weights and biases do not change after load), and again if
-        ``windows`` has changed since."""
+        then (their weights and biases do not change after load); setting ``windows``
+        drops it, so it is built again with them."""
         ops = self.native_fused
         if ops is None:  # (a test may take them away for a while: nothing is decided)
             return None
         cfg = self.config
         if cfg.shaped_layers and not cfg.sandwich_norms:  # (no such files)
             return None
-        if self._decode_layers_windows != self.windows:  # (tests change them: built again)
-            self._decode_layers, self._decode_layers_windows = None, list(self.windows)
         if self._decode_layers is None:
             products = [_products(lr) for lr in self.layers]
             quantized = all(isinstance(p, QuantLinear) for ps in products for p in ps)

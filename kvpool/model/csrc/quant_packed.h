@@ -86,6 +86,11 @@ static inline int unit_value_t(const uint8_t* b, int j, int e) {
 
 static inline int units_per_block(int t) { return block_elems(t) / 32; }
 
+// Bytes of one packed unit of 8 rows (its values; the scales are in the header).
+static inline int unit_bytes(int t) {
+  return t == kQ8_0 ? 256 : t == kQ6_K ? 192 : t == kQ5_0 || t == kQ5_K ? 160 : 128;
+}
+
 // Repack rows [8 g, 8 g + 8) (file blocks, row_bytes apart) into one group (the type a
 // template parameter, so the loops below compile to straight byte shuffles).
 template <int T>
@@ -115,9 +120,8 @@ static inline void pack_group_t(const uint8_t* rows, int64_t row_bytes, uint8_t*
       }
     }
     uint8_t* body = o + header_bytes(t);
-    const int unit_bytes = t == kQ8_0 ? 256 : t == kQ6_K ? 192 : t == kQ5_0 || t == kQ5_K ? 160 : 128;
     for (int j = 0; j < units; ++j) {
-      uint8_t* u = body + j * unit_bytes;
+      uint8_t* u = body + j * unit_bytes(t);
       int v[kGroup][32];
       for (int r = 0; r < kGroup; ++r)
         for (int e = 0; e < 32; ++e) v[r][e] = unit_value_t<T>(src[r], j, e);
@@ -176,8 +180,7 @@ static inline void pack_group(int t, const uint8_t* rows, int64_t row_bytes, uin
 static inline int packed_value(int t, const uint8_t* o, int j, int r, int e) {
   const uint8_t* body = o + header_bytes(t);
   if (t == kQ8_0) return (int8_t)body[256 * j + 32 * (e / 4) + 4 * r + e % 4];
-  const int unit_bytes = t == kQ6_K ? 192 : t == kQ5_0 || t == kQ5_K ? 160 : 128;
-  const uint8_t* u = body + j * unit_bytes;
+  const uint8_t* u = body + j * unit_bytes(t);
   const int q = e / 8, w = e % 8, i = w % 4;
   const int nibble = (u[32 * q + 4 * r + i] >> (w < 4 ? 0 : 4)) & 0xF;
   if (t == kQ5_0 || t == kQ5_K) return nibble | (((u[128 + 4 * r + i] >> (2 * q + (w < 4 ? 0 : 1))) & 1) << 4);
