@@ -1,9 +1,10 @@
 """``kvpool bench model``: the runtime beside llama.cpp (``kvpool.bench.llama_cpp``: its
 own tools on the same GGUF file) and transformers' ``generate()`` (same model, device
-and dtype), each side in its own process (so peak memory is its own; on a GPU it is
-still the process's host memory). Any GGUF file (``--model``), e.g. the synthetic
-models of ``kvpool bench synth-model``; transformers is left out for files over 1 GiB
-(it dequantizes every weight to float).
+and dtype), each side in its own process (so peak memory is its own: the process's
+host memory, and on a GPU also the most its tensors took there). Any GGUF file
+(``--model``), e.g. the synthetic models of ``kvpool bench synth-model``; transformers
+is left out for files over 1 GiB unless asked for (it dequantizes every weight to
+float).
 
 Figures: load time; prefill tokens/s for a 512-token prompt; decode tokens/s at batch 1, 8
 and 32 (100-token prompts, the time of the N decode steps after the first token, so
@@ -173,8 +174,12 @@ def _transformers(dtype: str | None, model: str | None) -> dict[str, float]:
 
 def _measure_side(side: str, dtype: str | None, model: str | None) -> None:
     """Child process: measure one side and print its figures as JSON."""
+    import torch
+
     figures = _ours(dtype, model) if side == "kvpool" else _transformers(dtype, model)
     figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if torch.cuda.is_initialized():  # what the side's tensors took on the GPU at most
+        figures["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
     print(json.dumps(figures))
 
 
@@ -203,6 +208,13 @@ def _llama_cpp_side(bin_dir, model: str | None) -> dict[str, float]:
     figures.update(served)
     figures["load_s"] = float("nan")
     return figures
+
+
+def _gpu_name() -> str:
+    """'; GPU: its name' where torch sees a CUDA device (the sides compute there)."""
+    import torch
+
+    return f"; GPU: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
 
 
 def run(
@@ -248,7 +260,7 @@ def run(
     cpu = cpu_features()
     lines = [
         f"{path.name} ({path.stat().st_size / 2**20:.0f} MiB), kvpool dtype {dtype or 'auto'}, "
-        f"{os.cpu_count()} CPUs: {cpu.summary()}",
+        f"{os.cpu_count()} CPUs: {cpu.summary()}" + _gpu_name(),
         f"decode over {DECODE_STEPS} steps after {PROMPT}-token prompts; KV for "
         f"{kv_tokens()} tokens on every side; medians of {rounds} alternating rounds",
         f"{'':<24}{'kvpool':>10}" + "".join(f"{s:>14}{'ratio':>8}" for s in against),
@@ -256,6 +268,8 @@ def run(
     labels = [("load_s", "load (s)", False), ("prefill_tok_s", f"prefill {PREFILL} tok/s", True)]
     labels += [(f"decode_b{b}_tok_s", f"decode batch {b} tok/s", True) for b in BATCHES]
     labels += [("peak_rss_mib", "peak memory (MiB)", False)]
+    if "peak_gpu_mib" in medians["kvpool"]:
+        labels += [("peak_gpu_mib", "peak GPU memory (MiB)", False)]
     for key, label, higher_better in labels:
         a = medians["kvpool"].get(key, float("nan"))
         row = f"{label:<24}{a:>10.1f}"
