@@ -69,6 +69,31 @@ def test_a_random_model_on_the_gpu_matches_the_reference(tmp_path: Path, arch: s
     assert rows.median().item() < 0.25 * INT8_LOGIT_BOUND * ref.abs().max().item(), rows
 
 
+def test_load_model_dequantizes_every_weight_onto_the_gpu(tmp_path: Path):
+    """``load_model`` on a GPU machine (no flag): every weight made on the GPU as it is
+    read (a Llama 3 file's ``rope_freqs`` too), the logits those of the CPU's model of
+    the same file."""
+    from kvpool.model.loader import load_model
+    from tests.synthetic_gguf import HEADS, HIDDEN
+    from tests.test_synthetic_models import _llama3_rope_factors
+
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}  # fmt: skip
+    factors = _llama3_rope_factors(HIDDEN // HEADS, 10000.0, scaling)
+    path = write_model(
+        tmp_path / "llama3.gguf", "llama", MIXES["k-quants"], extra={"rope_freqs.weight": factors}
+    )
+    loaded = load_model(str(path), dtype="float32", progress=False)
+    model = loaded.model
+    assert model.device.type == "cuda" and model.embed.device.type == "cuda"
+    layers = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in model.layers]
+    assert all(p.weight.device.type == "cuda" for parts in layers for p in parts)
+    prompt = [(11 * i + 5) % 500 for i in range(70)]
+    config, weights = load_gguf_weights(path, quantized=False)
+    on_cpu = _logits(LlamaModel(config, weights, torch.device("cpu"), torch.float32), prompt)
+    assert (_logits(model, prompt).cpu() - on_cpu).abs().max().item() < 1e-3
+
+
 @pytest.fixture(scope="module")
 def gpu_model(tmp_path_factory) -> LlamaModel:
     """A small random llama on the GPU, float32."""

@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from kvpool.cache import KVCacheManager  # noqa: E402
+from kvpool.formats.gguf_header import read_gguf_header  # noqa: E402
 from kvpool.model.gguf_weights import (  # noqa: E402
     QuantizedMatrix,
     QuantizedRows,
@@ -168,6 +169,29 @@ def _llama3_rope_factors(head_dim: int, base: float, scaling: dict[str, float]):
     factors = np.where(wavelen < old / high, 1.0, np.where(wavelen > old / low,
                        scaling["factor"], blend))  # fmt: skip
     return factors.astype(np.float32)
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_a_dense_load_is_the_same_on_any_threads_and_made_on_its_device(tmp_path, mix, monkeypatch):
+    """Dequantized tensors (the GPU's load, or the CPU's without the native ops) are the
+    same on one thread as on several, in the file's order, and each is made on the
+    device asked for (a GPU's load never holds the whole model in host memory): here
+    "meta", where a tensor made on the CPU and not moved would show."""
+    from kvpool.model import gguf_weights
+
+    path = write_model(tmp_path / "m.gguf", "llama", MIXES[mix], seed=4)
+    loads = {}
+    for threads in (1, 3):
+        monkeypatch.setattr(gguf_weights, "DEQUANTIZE_THREADS", threads)
+        loads[threads] = load_gguf_weights(path, torch.bfloat16)[1]
+    names = [info.name for info in read_gguf_header(path).tensors]
+    assert list(loads[1]) == list(loads[3]) == names
+    for name in names:
+        assert loads[1][name].dtype == torch.bfloat16
+        assert torch.equal(loads[1][name], loads[3][name]), name
+    _, on_meta = load_gguf_weights(path, torch.bfloat16, device=torch.device("meta"))
+    assert all(t.device.type == "meta" and t.dtype == torch.bfloat16 for t in on_meta.values())
+    assert {n: t.shape for n, t in on_meta.items()} == {n: t.shape for n, t in loads[1].items()}
 
 
 def test_llama3_rope_scaling_matches_reference(tmp_path: Path):

@@ -14,7 +14,10 @@ so the model uses the usual half-split rotary form.
 from __future__ import annotations
 
 import math
+import os
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +34,8 @@ _UNQUANTIZED = (_F32, _F16, _BF16)
 # any other quantized type is dequantized at load.
 KEPT_QUANTIZED = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
 _EMBEDDING = "token_embd.weight"
+# Threads that dequantize the tensors not kept in their blocks (at most the CPU count)
+DEQUANTIZE_THREADS = 8
 
 
 PACKED = 0x100  # a type flag for the native ops: the tensor is in the packed layout
@@ -150,7 +155,7 @@ def _dequantize(raw: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
 
 def _unpermute_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's per-head row permutation of Q/K (interleaved -> half-split)."""
-    return w[_rotary_row_order(w.shape[0], n_heads)]
+    return w[_rotary_row_order(w.shape[0], n_heads).to(w.device)]
 
 
 def _rotary_row_order(rows: int, n_heads: int) -> torch.Tensor:
@@ -167,22 +172,44 @@ def load_gguf_weights(
     on_tensor: Callable[[int, int], None] | None = None,
     quantized: bool = False,
     pack_variant: str | None = None,
+    device: torch.device | None = None,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedMatrix]]:
     """Config and every tensor of the file, by GGUF name: dequantized to ``dtype``, or,
     with ``quantized``, each quantized matrix as a ``QuantizedMatrix`` of its blocks,
     packed already where ``pack_variant``'s kernels multiply the packed layout. Kept
     blocks live in one anonymous mapping backed by huge pages where the OS gives them:
     a decode step streams every weight, and 2 MiB pages take 512x fewer TLB entries and
-    page faults than 4 KiB ones."""
+    page faults than 4 KiB ones.
+
+    Dequantized tensors are made on ``device`` (None: the CPU), each moved there as
+    soon as it is made: a GPU's model never has a whole copy in host memory (an 8B
+    model's would be 16 GB in bf16). The gguf package's numpy kernels dequantize on up
+    to ``DEQUANTIZE_THREADS`` threads (they release the GIL), at most one tensor a
+    thread ahead of the reading; torch converts and moves each on this thread (torch
+    ops on other threads would start an OpenMP pool in each)."""
     header = header or read_gguf_header(path)
     config = ModelConfig.from_gguf(header)
     weights: dict[str, torch.Tensor | QuantizedMatrix] = {}
     plan = _plan(header, config, pack_variant) if quantized else {}
     arena = _HugeArena(sum(size for size, _ in plan.values()))
     staging = torch.empty(0, dtype=torch.uint8)
+    workers = max(1, min(DEQUANTIZE_THREADS, os.cpu_count() or 1))
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="kvpool-dequantize")
+    pending: deque[tuple[str, int, Future[np.ndarray]]] = deque()
+
+    def finish(limit: int) -> None:
+        """Take the oldest dequantized arrays until at most ``limit`` are pending."""
+        while len(pending) > limit:
+            name, heads, future = pending.popleft()
+            tensor = torch.from_numpy(future.result()).to(device=device, dtype=dtype)
+            weights[name] = _unpermute_rotary(tensor, heads) if heads else tensor
+
+    def dense(raw: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
+        return np.ascontiguousarray(_dequantize(raw, info), dtype=np.float32)
+
     # Read, not mapped: a mapped file's pages count in the process's resident memory as
     # they are touched, which put the peak at twice the file while the blocks are copied.
-    with open(header.path, "rb", buffering=0) as file:
+    with pool, open(header.path, "rb", buffering=0) as file:
         for i, info in enumerate(header.tensors):
             heads = _rotary_heads(config, info.name)
             file.seek(header.data_offset + info.offset)
@@ -208,13 +235,12 @@ def load_gguf_weights(
             else:
                 raw = np.empty(info.num_bytes, dtype=np.uint8)
                 _read_into(file, torch.from_numpy(raw), info)
-                array = _dequantize(raw, info)
-                tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(dtype)
-                if heads:
-                    tensor = _unpermute_rotary(tensor, heads)
-                weights[info.name] = tensor
+                weights[info.name] = None  # type: ignore[assignment]  # (its place: file order)
+                pending.append((info.name, heads, pool.submit(dense, raw, info)))
+                finish(workers)
             if on_tensor:
                 on_tensor(i + 1, len(header.tensors))
+        finish(0)
     return config, weights
 
 

@@ -234,7 +234,7 @@ class LlamaModel:
         exponents = torch.arange(0, d, 2, dtype=torch.float32) / d
         inv_freq = 1.0 / (config.rope_theta**exponents) / config.rope_linear_scale
         if "rope_freqs.weight" in weights:  # Llama-3 scaling, precomputed by the converter
-            inv_freq = inv_freq / weights.pop("rope_freqs.weight").float()
+            inv_freq = inv_freq / weights.pop("rope_freqs.weight").float().cpu()
         self.inv_freq = inv_freq.to(device)
         # Sliding-window (local) layers (gemma3): each layer's window, 0 for a global one,
         # and the local layers' rotary frequencies (their own base, no scaling)

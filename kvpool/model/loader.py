@@ -195,6 +195,7 @@ def load_model(
             on_tensor=(lambda i, n: bar.advance()) if bar else None,
             quantized=ops is not None,
             pack_variant=kernel_variant() if ops is not None and not exact else None,
+            device=dev,
         )
     finally:
         if bar:
