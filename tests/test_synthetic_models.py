@@ -130,6 +130,47 @@ def test_int8_products_stay_near_the_float_products(tmp_path: Path, mix: str):
 
 
 @pytest.mark.skipif(_native() is None, reason="the native ops are not built here")
+@pytest.mark.parametrize(
+    ("dtype", "int8_max_rows"),
+    [(torch.float32, "exact"), (torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, 40)],
+)
+def test_a_long_steps_feed_forward_runs_in_slices_with_the_whole_steps_kernel(
+    tmp_path, monkeypatch, dtype, int8_max_rows
+):
+    """A prefill step's feed-forward runs over slices of at least ``FFN_SLICE_ROWS``
+    tokens (its largest transient, cut), never under the int8 crossover when that is
+    set higher (each slice then takes the product kernel the whole step takes). int8
+    products are row-invariant: the same bits; float tiles within float32 rounding."""
+    from kvpool.model import llama
+    from kvpool.model.products import ProductPolicy
+
+    path = write_model(tmp_path / "m.gguf", "llama", MIXES["k-quants"], seed=3)
+    exact = int8_max_rows == "exact"
+    policy = ProductPolicy(exact=exact, int8_max_rows=None if exact else int8_max_rows)
+    prompt = [(7 * i + 3) % 500 for i in range(100)]
+    logits, calls = {}, {}
+    for slice_rows in (1000, 16):
+        monkeypatch.setattr(llama, "FFN_SLICE_ROWS", slice_rows)
+        config, weights = load_gguf_weights(path, dtype, quantized=True)
+        model = LlamaModel(config, weights, torch.device("cpu"), dtype, policy)
+        rows: list[int] = []
+        gate_up = model.layers[0].gate_up
+        model.layers[0].gate_up = lambda x, f=gate_up, seen=rows: seen.append(len(x)) or f(x)
+        runner = PagedRunner(model, KVCacheManager(32, 16))
+        runner.manager.allocate("s", prompt)
+        logits[slice_rows] = runner.forward([Chunk("s", prompt, 0)], all_logits=True)
+        calls[slice_rows] = rows
+    assert calls[1000] == [100]
+    # slices of 16 or more, or of 41 or more where int8 runs up to 40 rows (tiles above)
+    assert calls[16] == ([50, 50] if int8_max_rows == 40 else [17] * 4 + [16] * 2)
+    if policy.mode(16) == policy.mode(100) == 0:  # int8 products
+        assert torch.equal(logits[16], logits[1000])
+    else:
+        scale = logits[1000].abs().max().item()
+        assert (logits[16] - logits[1000]).abs().max().item() < 1e-4 * scale
+
+
+@pytest.mark.skipif(_native() is None, reason="the native ops are not built here")
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3moe", "gemma3"])
 def test_qwen3_serving_path_stays_near_float32(tmp_path: Path, arch: str):
     """A qwen3 file as ``kvpool serve`` runs it (bfloat16, int8 products, a decode step's

@@ -24,6 +24,13 @@ from kvpool.model.kv_store import PagedKVStore
 from kvpool.model.native import kernel_variant, native_ops
 from kvpool.model.products import ProductPolicy, QuantLinear
 
+# On the CPU a step's feed-forward runs over slices of at least this many tokens (a step
+# of under twice this, whole): its [tokens, 2 x ffn] intermediate is the largest
+# transient of a prefill (a 1B-class model's 2,000-token step peaked ~360 MiB higher
+# whole). Not below the largest size ``calibrate`` measures, so a slice takes the product
+# kernel the whole step would (docs/performance.md, twenty-sixth session).
+FFN_SLICE_ROWS = 512
+
 
 class Linear:
     """``y = x W^T (+ b)`` with a dense weight (an F32/F16/BF16 file, or any file where
@@ -452,6 +459,21 @@ class LlamaModel:
         token's chosen experts (``_mixture``)."""
         if layer.experts is not None:
             return self._heavy(self._mixture, h, layer.experts)
+        slice_rows = self._ffn_slice_rows()
+        if h.shape[0] >= 2 * slice_rows:
+            parts = h.tensor_split(h.shape[0] // slice_rows)
+            return torch.cat([self._dense_feed_forward(part, layer) for part in parts])
+        return self._dense_feed_forward(h, layer)
+
+    def _ffn_slice_rows(self) -> int:
+        """The fewest tokens in one slice of a step's feed-forward (``FFN_SLICE_ROWS``;
+        above a crossover set higher, so that every slice takes the whole step's
+        product kernel). A GPU's steps are not sliced."""
+        if self.device.type != "cpu":
+            return 1 << 62
+        return max(FFN_SLICE_ROWS, (self.products.int8_max_rows or 0) + 1)
+
+    def _dense_feed_forward(self, h: torch.Tensor, layer: _Layer) -> torch.Tensor:
         assert layer.gate_up is not None and layer.down is not None
         gate_up = self._heavy(layer.gate_up, h)
         if self.config.activation == "gelu_tanh":  # gemma3: gelu (tanh form) of the gate
