@@ -113,6 +113,7 @@ def _generate(args: argparse.Namespace) -> int:
             args.model,
             config=engine_config.from_args(args),
             dtype=args.dtype,
+            device=args.device,
             progress=not args.quiet,
         )
     except (ModelNotFound, ValueError) as exc:
@@ -291,7 +292,7 @@ def _cluster(args: argparse.Namespace) -> int:
 def _runtime_options(p: argparse.ArgumentParser) -> None:
     from kvpool.engine import config as engine_config
 
-    engine_config.add_dtype_argument(p)
+    engine_config.add_compute_arguments(p)
     p.add_argument("--max-tokens", type=int, default=128)
     engine_config.add_arguments(p, serving=False)
     p.add_argument("--quiet", action="store_true")

@@ -94,6 +94,22 @@ def test_load_model_dequantizes_every_weight_onto_the_gpu(tmp_path: Path):
     assert (_logits(model, prompt).cpu() - on_cpu).abs().max().item() < 1e-3
 
 
+def test_device_chooses_where_a_gpu_machines_model_computes(tmp_path: Path):
+    """``LLM(device=...)`` (``--device``): the CPU on a GPU machine when asked, a GPU
+    by index, said in the compute line."""
+    from kvpool.engine.llm import LLM
+
+    path = write_model(tmp_path / "llama.gguf", "llama", MIXES["legacy"])
+    on_cpu = LLM(str(path), device="cpu", dtype="float32", progress=False)
+    assert on_cpu.loaded.model.device.type == "cpu"
+    assert " on cuda" not in on_cpu.loaded.compute_line()
+    on_gpu = LLM(str(path), device="cuda:0", dtype="float32", progress=False)
+    assert on_gpu.loaded.model.device == torch.device("cuda:0")
+    assert " on cuda:0 (" in on_gpu.loaded.compute_line()
+    want = on_cpu.generate([[5, 6, 7]], GREEDY)[0].token_ids
+    assert on_gpu.generate([[5, 6, 7]], GREEDY)[0].token_ids == want
+
+
 @pytest.fixture(scope="module")
 def gpu_model(tmp_path_factory) -> LlamaModel:
     """A small random llama on the GPU, float32."""

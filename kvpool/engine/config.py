@@ -92,12 +92,16 @@ class EngineConfig:
 DEFAULTS = EngineConfig()
 
 
-def add_dtype_argument(p: argparse.ArgumentParser) -> None:
-    """``--dtype``, as ``kvpool serve`` and ``kvpool generate`` take it (``load_model``)."""
+def add_compute_arguments(p: argparse.ArgumentParser) -> None:
+    """``--dtype`` and ``--device``, as ``kvpool serve`` and ``kvpool generate`` take them
+    (``load_model``)."""
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="compute dtype (default: the fastest measured at load; float32 "
                         "on the CPU: the exact reference, float products, several times "
                         "slower)")  # fmt: skip
+    p.add_argument("--device", default=None, metavar="{cpu,cuda,cuda:N}",
+                   help="where the model computes (default: the GPU where torch sees "
+                        "one, else the CPU)")  # fmt: skip
 
 
 def add_arguments(p: argparse.ArgumentParser, *, serving: bool = True) -> None:

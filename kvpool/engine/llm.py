@@ -39,12 +39,13 @@ class LLM:
         *,
         config: EngineConfig | None = None,
         dtype: str | None = None,
+        device: str | None = None,
         progress: bool = True,
         batch_invariant: bool = False,
         **changes: Any,
     ) -> None:
         self.loaded = load_model(
-            model, dtype=dtype, progress=progress, batch_invariant=batch_invariant
+            model, dtype=dtype, device=device, progress=progress, batch_invariant=batch_invariant
         )
         self.tokenizer = self.loaded.tokenizer
         self.engine = Engine(self.loaded.model, config, tokenizer=self.tokenizer, **changes)

@@ -36,9 +36,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def choose_device(name: str | None = None) -> torch.device:
-    if name:
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """``name`` (``cpu``, ``cuda``, ``cuda:N``), checked against what torch sees; None:
+    the GPU where torch sees one, else the CPU."""
+    if not name:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}; choose cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r}: kvpool computes on cpu or cuda")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU build")
+            raise ValueError(f"device {name!r}: torch sees no CUDA device ({build})")
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {name!r}: torch sees {count} CUDA device(s)")
+    return device
 
 
 def choose_dtype(name: str | None, device: torch.device) -> torch.dtype:
@@ -79,6 +94,9 @@ class LoadedModel:
     def compute_line(self) -> str:
         """One line: the compute dtype chosen and why, and how products are computed."""
         line = f"compute dtype {self.dtype_choice or self.model.dtype}"
+        device = self.model.device
+        if device.type == "cuda":  # the CPU's features are in the dtype's reason
+            line += f" on {device} ({torch.cuda.get_device_name(device)})"
         if isinstance(self.model.layers[0].o, QuantLinear):
             line += f"; weights kept quantized, {self.model.products.describe()}"
         return line

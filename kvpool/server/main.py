@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GGUF path or Ollama model name (default: the built-in model)")  # fmt: skip
     p.add_argument("--host", default=None, help=f"default {DEFAULT_HOST} (or KVPOOL_HOST)")
     p.add_argument("--port", type=int, default=None, help=f"default {DEFAULT_PORT}; 0: any free")
-    engine_config.add_dtype_argument(p)
+    engine_config.add_compute_arguments(p)
     engine_config.add_arguments(p)
     p.add_argument("--batch-invariant", action="store_true",
                    help="int8 products at every step size, in any dtype, and one attention "
@@ -98,6 +98,7 @@ def _load_with_engine(
     loaded = load_model(
         requested,
         dtype=args.dtype,
+        device=args.device,
         progress=progress,
         batch_invariant=args.batch_invariant,
     )
