@@ -27,10 +27,10 @@ from kvpool.engine.sampling import SamplingParams  # noqa: E402
 from kvpool.model.gguf_weights import load_gguf_weights  # noqa: E402
 from kvpool.model.llama import Linear, LlamaModel  # noqa: E402
 from tests.synthetic_gguf import VOCAB, write_model  # noqa: E402
+from tests.test_engine import GREEDY, alone, assert_pool_empty  # noqa: E402
 from tests.test_synthetic_models import INT8_LOGIT_BOUND, MIXES, _logits, _reference  # noqa: E402
 
 CUDA = torch.device("cuda")
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 @pytest.fixture(autouse=True)
@@ -125,25 +125,16 @@ def _prompts() -> list[list[int]]:
     return out
 
 
-def _alone(model: LlamaModel, prompt: list[int]) -> list[int]:
-    return Engine(model, num_blocks=64).generate([prompt], GREEDY)[0].token_ids
-
-
 @pytest.fixture(scope="module")
 def expected(gpu_model) -> list[list[int]]:
-    return [_alone(gpu_model, p) for p in _prompts()]
-
-
-def _assert_pool_empty(engine: Engine) -> None:
-    stats = engine.cache_stats()
-    assert stats.used_blocks == 0 and stats.num_sequences == 0
+    return [alone(gpu_model, p) for p in _prompts()]
 
 
 def test_a_batch_on_the_gpu_equals_each_request_alone_and_shares_its_prefix(gpu_model, expected):
     engine = Engine(gpu_model, num_blocks=256)
     results = engine.generate(_prompts(), GREEDY)
     assert [r.token_ids for r in results] == expected
-    _assert_pool_empty(engine)
+    assert_pool_empty(engine)
     later = engine.generate([_prompts()[0]], GREEDY)[0]  # the system prompt's blocks
     assert later.cached_prompt_tokens == 32 and later.token_ids == expected[0]
 
@@ -158,7 +149,7 @@ def test_a_small_pool_on_the_gpu_preempts_and_still_matches(gpu_model, expected)
     assert [r.token_ids for r in results] == expected[3:]
     preemptions = engine.snapshot().preemptions
     assert preemptions > 0 and sum(r.preemptions for r in results) == preemptions
-    _assert_pool_empty(engine)
+    assert_pool_empty(engine)
 
 
 def test_samples_on_the_gpu_copy_their_shared_last_block_on_write(gpu_model, expected):
@@ -169,7 +160,7 @@ def test_samples_on_the_gpu_copy_their_shared_last_block_on_write(gpu_model, exp
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=3)
     outs = engine.generate([prompt], params)
     assert [o.token_ids for o in outs] == [expected[4]] * 3
-    _assert_pool_empty(engine)
+    assert_pool_empty(engine)
 
 
 def test_the_host_memory_tier_moves_gpu_blocks_out_and_back_with_the_same_tokens(gpu_model):
