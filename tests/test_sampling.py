@@ -46,6 +46,35 @@ def test_greedy_takes_the_best_token_beside_sampled_rows():
     assert out[0] == 1
 
 
+def test_the_argmax_never_builds_the_native_ops(monkeypatch):
+    """Rows copied to the CPU on a GPU machine (whose runtime never loads the native
+    ops) take torch's argmax, not a build of the ops (tens of seconds in a step); where
+    the runtime has loaded them, the native argmax."""
+    from kvpool.engine import sampling
+    from kvpool.model import native
+
+    info = native.native_ops.cache_info()
+
+    def no_build():
+        raise AssertionError("built the native ops")
+
+    no_build.cache_info = lambda: info._replace(currsize=0)
+    monkeypatch.setattr(native, "native_ops", no_build)
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, -1.0, 2.0]])
+    assert sampling.argmax_rows(logits) == [1, 0]
+    calls = []
+
+    class Loaded:
+        def argmax_rows(self, x):
+            calls.append(x.shape)
+            return x.argmax(-1)
+
+    loaded = lambda: Loaded()  # noqa: E731
+    loaded.cache_info = lambda: info._replace(currsize=1)
+    monkeypatch.setattr(native, "native_ops", loaded)
+    assert sampling.argmax_rows(logits) == [1, 0] and calls == [(2, 3)]
+
+
 def test_plain_sampling_follows_the_distribution():
     counts = draw(SamplingParams(temperature=1.0), n=4000)
     for token, p in enumerate(PROBS):

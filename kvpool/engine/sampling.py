@@ -142,12 +142,13 @@ class SamplingParams:
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """Each row's argmax, as ``logits.argmax(-1)`` gives it (the first index of the
     largest value; a NaN counts above every number): natively for float32 rows on the
-    CPU where the native ops are built (torch's reduction takes ~5 ms over 32 rows of a
-    128,256-token vocabulary, the native one 1-2 ms; tests compare the two)."""
+    CPU where the runtime has loaded the native ops (torch's reduction takes ~5 ms over
+    32 rows of a 128,256-token vocabulary, the native one 1-2 ms; tests compare the
+    two). Never a build: a GPU's rows copied back for sampling take torch's."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
-        from kvpool.model.native import native_ops
+        from kvpool.model.native import loaded_native_ops
 
-        ops = native_ops()
+        ops = loaded_native_ops()
         if ops is not None and logits.shape[1] > 0:
             return ops.argmax_rows(logits).tolist()
     return logits.argmax(dim=-1).tolist()

@@ -141,6 +141,13 @@ VARIANT_NEEDS = {
 }
 
 
+def loaded_native_ops() -> ModuleType | None:
+    """The native ops where this process has them already, never building them: for
+    helpers that only speed up what torch also does (a GPU machine's runtime never
+    loads them, and a build there would stall a step for tens of seconds)."""
+    return native_ops() if native_ops.cache_info().currsize else None
+
+
 @functools.cache
 def kernel_variant() -> str:
     """The kernel variant the runtime uses: the fastest the module runs on this CPU
