@@ -459,19 +459,14 @@ class LlamaModel:
         token's chosen experts (``_mixture``)."""
         if layer.experts is not None:
             return self._heavy(self._mixture, h, layer.experts)
-        slice_rows = self._ffn_slice_rows()
-        if h.shape[0] >= 2 * slice_rows:
-            parts = h.tensor_split(h.shape[0] // slice_rows)
-            return torch.cat([self._dense_feed_forward(part, layer) for part in parts])
+        rows = h.shape[0]
+        if rows >= 2 * FFN_SLICE_ROWS and self.device.type == "cpu":  # (not a GPU's)
+            # slices never under a crossover set higher: each takes the step's kernel
+            least = max(FFN_SLICE_ROWS, (self.products.int8_max_rows or 0) + 1)
+            if rows >= 2 * least:
+                parts = h.tensor_split(rows // least)
+                return torch.cat([self._dense_feed_forward(part, layer) for part in parts])
         return self._dense_feed_forward(h, layer)
-
-    def _ffn_slice_rows(self) -> int:
-        """The fewest tokens in one slice of a step's feed-forward (``FFN_SLICE_ROWS``;
-        above a crossover set higher, so that every slice takes the whole step's
-        product kernel). A GPU's steps are not sliced."""
-        if self.device.type != "cpu":
-            return 1 << 62
-        return max(FFN_SLICE_ROWS, (self.products.int8_max_rows or 0) + 1)
 
     def _dense_feed_forward(self, h: torch.Tensor, layer: _Layer) -> torch.Tensor:
         assert layer.gate_up is not None and layer.down is not None

@@ -37,6 +37,11 @@ namespace kvp {
 
 constexpr int kGroup = 8;
 
+// Q5_0 and Q5_K: a unit's values are nibbles and a fifth bit each (160-byte units).
+static constexpr bool five_bit(int t) { return t == kQ5_0 || t == kQ5_K; }
+// Q4_K and Q5_K: scales and mins, the header's 6-bit pairs unpacked to a byte each.
+static constexpr bool k_with_mins(int t) { return t == kQ4_K || t == kQ5_K; }
+
 static inline bool packable(int t) {
   return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ8_0 || t == kQ4_K || t == kQ5_K ||
          t == kQ6_K;
@@ -53,7 +58,7 @@ static inline int header_bytes(int t) {
   }
 }
 static inline int64_t group_block_bytes(int t) {
-  return t == kQ4_K || t == kQ5_K ? 8 * (int64_t)block_bytes(t) + 32 : 8 * (int64_t)block_bytes(t);
+  return 8 * (int64_t)block_bytes(t) + (k_with_mins(t) ? 32 : 0);
 }
 // Bytes of one packed group of 8 rows of k values.
 static inline int64_t group_bytes(int t, int64_t k) { return k / block_elems(t) * group_block_bytes(t); }
@@ -88,7 +93,7 @@ static inline int units_per_block(int t) { return block_elems(t) / 32; }
 
 // Bytes of one packed unit of 8 rows (its values; the scales are in the header).
 static inline int unit_bytes(int t) {
-  return t == kQ8_0 ? 256 : t == kQ6_K ? 192 : t == kQ5_0 || t == kQ5_K ? 160 : 128;
+  return t == kQ8_0 ? 256 : t == kQ6_K ? 192 : five_bit(t) ? 160 : 128;
 }
 
 // Repack rows [8 g, 8 g + 8) (file blocks, row_bytes apart) into one group (the type a
@@ -135,7 +140,7 @@ static inline void pack_group_t(const uint8_t* rows, int64_t row_bytes, uint8_t*
         for (int r = 0; r < kGroup; ++r)
           for (int i = 0; i < 4; ++i)
             u[32 * q + 4 * r + i] = (uint8_t)((v[r][8 * q + i] & 0xF) | ((v[r][8 * q + 4 + i] & 0xF) << 4));
-      if (t == kQ5_0 || t == kQ5_K) {
+      if (five_bit(t)) {
         for (int r = 0; r < kGroup; ++r)
           for (int i = 0; i < 4; ++i) {
             int bits = 0;
@@ -183,7 +188,7 @@ static inline int packed_value(int t, const uint8_t* o, int j, int r, int e) {
   const uint8_t* u = body + j * unit_bytes(t);
   const int q = e / 8, w = e % 8, i = w % 4;
   const int nibble = (u[32 * q + 4 * r + i] >> (w < 4 ? 0 : 4)) & 0xF;
-  if (t == kQ5_0 || t == kQ5_K) return nibble | (((u[128 + 4 * r + i] >> (2 * q + (w < 4 ? 0 : 1))) & 1) << 4);
+  if (five_bit(t)) return nibble | (((u[128 + 4 * r + i] >> (2 * q + (w < 4 ? 0 : 1))) & 1) << 4);
   if (t != kQ6_K) return nibble;
   const int shift = 4 * (q & 1) + (w < 4 ? 0 : 2);
   return nibble | (((u[128 + 32 * (q >> 1) + 4 * r + i] >> shift) & 3) << 4);
@@ -202,7 +207,7 @@ static inline void dequantize_packed_row(int t, const uint8_t* group, int64_t k,
         const int q = packed_value(t, o, 0, r, e);
         out[e] = t == kQ4_0 ? (q - 8) * d : t == kQ4_1 ? q * d + m : t == kQ5_0 ? (q - 16) * d : q * d;
       }
-    } else if (t == kQ4_K || t == kQ5_K) {
+    } else if (k_with_mins(t)) {
       const float dmin = read_fp16(o + 16 + 2 * r);
       for (int j = 0; j < units; ++j) {
         const uint8_t sc = o[32 + 8 * j + r], m = o[96 + 8 * j + r];
