@@ -23,6 +23,14 @@ from kvpool.model.threads import Mode, ThreadPolicy
 
 _THREADS_AT_IMPORT = torch.get_num_threads()
 
+# The torch attention path (a GPU, or a CPU without the native ops) gathers each row's
+# context, padded to the step's longest, into one scratch buffer a layer (K and V), kept
+# for later steps. A step whose gather would pass this many bytes runs as several
+# forwards over groups of rows of similar context length (a long context beside many
+# short ones would otherwise pad them all to its length): the buffer, and the memory a
+# GPU must keep beside its KV pool, stay bounded whatever the pool holds.
+GATHER_BYTES_MAX = 1 << 30
+
 
 def _long_rows(rows: list[list[int]], width: int) -> torch.Tensor:
     """``rows`` as a ``[len(rows), width]`` int64 tensor, each row padded with zeros:
@@ -104,6 +112,13 @@ class ModelRunner:
         # (a sliding window cuts a sequence's shared prefix at its own place: no groups)
         if min_shared_tokens is not None and not model.config.sliding_window:
             self.min_shared_blocks = max(1, min_shared_tokens // block_size)
+        # padded context blocks a step's rows may gather at once (None: no gather, the
+        # native ops read the blocks in place)
+        self.gather_blocks_max: int | None = None
+        if not native:
+            cfg = model.config
+            block = 2 * cfg.num_kv_heads * block_size * cfg.head_dim * self.kv.dtype.itemsize
+            self.gather_blocks_max = max(1, GATHER_BYTES_MAX // block)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.kv.copy_blocks(copies)
@@ -276,8 +291,46 @@ class ModelRunner:
         self, chunks: list[SeqChunk], *, all_logits: bool = False, return_hidden: bool = False
     ) -> Any:
         """``LlamaModel.forward`` of the chunks: logits, or ``(logits, hidden)``."""
+        groups = None if all_logits else self.gather_groups(chunks)
+        if groups is not None:
+            return self._forward_groups(chunks, groups, return_hidden)
         batch = self.build_batch(chunks)
         return self._run(batch, all_logits=all_logits, return_hidden=return_hidden)
+
+    def gather_groups(self, chunks: list[SeqChunk]) -> list[list[int]] | None:
+        """None, or the groups of chunk indices to run one forward each, where the step's
+        padded context gather would pass ``gather_blocks_max`` blocks: indices by context
+        length, each group as many as fit its longest context (a context longer than the
+        bound alone, then). A chunk attends to its own blocks only, and blocks become
+        findable by others after the step, so the groups' order changes nothing."""
+        limit = self.gather_blocks_max
+        if limit is None or len(chunks) < 2:
+            return None
+        bs = self.block_size
+        blocks = [-(-(c.start + len(c.token_ids)) // bs) for c in chunks]
+        if len(chunks) * max(blocks) <= limit:
+            return None
+        groups: list[list[int]] = [[]]
+        for i in sorted(range(len(chunks)), key=blocks.__getitem__):
+            if groups[-1] and (len(groups[-1]) + 1) * blocks[i] > limit:
+                groups.append([])
+            groups[-1].append(i)
+        return groups
+
+    def _forward_groups(
+        self, chunks: list[SeqChunk], groups: list[list[int]], return_hidden: bool
+    ) -> Any:
+        """``forward`` of the chunks one group at a time, its rows back in chunk order."""
+        outs = [self.forward([chunks[i] for i in g], return_hidden=return_hidden) for g in groups]
+        order = torch.tensor([i for g in groups for i in g])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        if not return_hidden:
+            return torch.cat(outs)[inverse.to(outs[0].device)]
+        logits = torch.cat([o[0] for o in outs])
+        hidden = torch.cat([o[1] for o in outs])
+        index = inverse.to(logits.device)
+        return logits[index], hidden[index]
 
     def forward_scored(
         self, chunks: list[SeqChunk], scored: list[int], *, return_hidden: bool = False
