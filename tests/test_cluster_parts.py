@@ -13,6 +13,8 @@ routing policy, and a request through an ASGI app in process.
   app that fails before answering gives a 500.
 - Responses: a stateless request is tokenized as the same chat; one that names a stored
   response goes to the replica whose id the response's id carries.
+- GPUs: a replica asks Ray for one, a share where replicas outnumber GPUs (its KV pool
+  then sized from that share of the GPU's memory), none on the CPU.
 - The HTTP port: asked for 0, the cluster takes another free port (outside the kernel's
   ephemeral range) when its first choice was taken before Serve's proxy bound it; a port
   asked for by number is tried once, a clear error if taken; other errors stay errors.
@@ -27,7 +29,13 @@ import pytest
 
 from kvpool.cache import KVCacheManager
 from kvpool.cache.kv_index import prefix_keys
-from kvpool.cluster.app import PortInUse, ephemeral_ports, start_proxy
+from kvpool.cluster.app import (
+    PortInUse,
+    ephemeral_ports,
+    replica_gpus,
+    serve_argv,
+    start_proxy,
+)
 from kvpool.cluster.asgi_call import HTTPRequest, ResponseStart, call_app
 from kvpool.cluster.event_log import IndexReplay, KVEventLog, ReplicaLoad
 from kvpool.cluster.routing import PrefixRouting
@@ -403,3 +411,31 @@ def test_a_request_naming_a_stored_response_goes_to_the_replica_that_stored_it()
     assert holder("POST", "/v1/responses", {"input": "x"}) is None
     assert holder("POST", "/v1/chat/completions", {"previous_response_id": rid}) is None
     assert asyncio.run(ingress._holder(HTTPRequest("POST", "/v1/responses", body=b"{"))) is None
+
+
+def _cluster_args(*flags: str):
+    from kvpool.cli import build_parser
+
+    return build_parser().parse_args(["cluster", *flags])
+
+
+def test_replicas_ask_ray_for_gpus_where_they_compute_on_one():
+    """Ray hides every GPU from an actor that asks for none: a replica meant for a GPU
+    must ask. Replicas that outnumber GPUs share them evenly, each sizing its pool from
+    its share of the memory; --device cpu or no GPU in the cluster: none."""
+    two = _cluster_args("--replicas", "2")
+    assert replica_gpus(two, 0) == 0.0
+    assert replica_gpus(two, 2) == 1.0 and replica_gpus(two, 8) == 1.0
+    assert replica_gpus(_cluster_args("--replicas", "3"), 2) == 0.5  # packs: 2 + 1
+    assert replica_gpus(_cluster_args("--replicas", "4"), 1) == 0.25
+    assert replica_gpus(_cluster_args("--device", "cpu"), 4) == 0.0
+    assert replica_gpus(_cluster_args("--gpus-per-replica", "0.5"), 0) == 0.5
+
+    argv = serve_argv(two, 1.0)
+    assert "--gpus-per-replica" not in argv and "--replicas" not in argv
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.9"
+    shared = serve_argv(two, 0.25)
+    assert shared[shared.index("--gpu-memory-utilization") + 1] == "0.225"
+    assert "--kv-cache-memory" not in shared  # each replica sizes its own pool
+    sized = serve_argv(_cluster_args("--kv-cache-memory", "256"), 0.5)
+    assert sized[sized.index("--kv-cache-memory") + 1] == "256"

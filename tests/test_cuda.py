@@ -176,9 +176,32 @@ def test_the_host_memory_tier_moves_gpu_blocks_out_and_back_with_the_same_tokens
     engine.close()
 
 
+def test_an_engine_on_the_gpu_without_a_size_takes_what_the_model_leaves(gpu_model, expected):
+    """No pool size on a GPU: the pool is what the model, its steps and the gather's
+    bound leave of the share asked for (measured), and it runs as a sized one does."""
+    from kvpool.model.device_memory import model_device_bytes
+
+    total = torch.cuda.mem_get_info()[1]
+    engine = Engine(gpu_model, gpu_memory_utilization=0.2)
+    try:
+        pool = engine.num_blocks * engine.kv_bytes_per_block
+        assert engine.kv_sizing and "0.20 of it less weights" in engine.kv_sizing
+        assert 0 < pool <= 0.2 * total - model_device_bytes(gpu_model)
+        if total > 16 * 2**30:  # a GPU's share is more than the CPU's 512 MiB default
+            assert pool > 512 * 2**20
+        results = engine.generate(_prompts(), GREEDY)
+        assert [r.token_ids for r in results] == expected
+        assert_pool_empty(engine)
+    finally:
+        engine.close()
+        del engine
+        torch.cuda.empty_cache()
+
+
 def test_kvpool_serve_runs_on_the_gpu_and_answers(tmp_path: Path):
-    """``kvpool serve`` on a GPU machine (no flag): the model and its pool on the GPU,
-    Ollama's and OpenAI's routes answering, a stream ending well, no block left in use."""
+    """``kvpool serve`` on a GPU machine (no flag but a share of its memory): the model and
+    its pool on the GPU (the pool sized from that share), Ollama's and OpenAI's routes
+    answering, a stream ending well, no block left in use."""
     pytest.importorskip("fastapi")
     import httpx
 
@@ -186,8 +209,9 @@ def test_kvpool_serve_runs_on_the_gpu_and_answers(tmp_path: Path):
     from kvpool.bench.synth_model import write
 
     path = write("smollm2-135m", "Q4_0", tmp_path / "smollm2-135m-Q4_0.gguf", progress=False)
-    server = LocalServer(str(path), "--kv-cache-memory", "256")
+    server = LocalServer(str(path), "--gpu-memory-utilization", "0.1")
     try:
+        assert "KV pool sized from" in server.logs()
         tags = httpx.get(f"{server.url}/api/tags", timeout=30).json()["models"]
         assert tags
         chat = {"model": tags[0]["name"], "stream": False, "options": {"num_predict": 12},

@@ -21,7 +21,10 @@ def serve_args(*flags: str):
 def test_serve_without_flags_runs_the_defaults():
     args = serve_args()
     assert from_args(args) == DEFAULTS
-    assert DEFAULTS.kv_cache_memory == 512 * MiB and DEFAULTS.policy is Policy.PAGED
+    # the pool's size: the device's default (512 MiB on the CPU, measured on a GPU)
+    assert DEFAULTS.kv_cache_memory is None and DEFAULTS.policy is Policy.PAGED
+    with pytest.raises(ValueError, match="kv_cache_memory must be positive"):
+        from_args(serve_args("--kv-cache-memory", "0"))
 
 
 def test_every_field_is_reachable_from_kvpool_serve():
@@ -30,6 +33,7 @@ def test_every_field_is_reachable_from_kvpool_serve():
         "--max-batch-tokens", "512", "--step-target-ms", "250", "--max-running", "8",
         "--watermark", "0.05", "--policy", "static", "--no-prefix-caching", "--seed", "7",
         "--max-queue", "9", "--kv-offload", "/tmp/tier", "--kv-offload-size", "64",
+        "--gpu-memory-utilization", "0.5",
     )  # fmt: skip
     config = from_args(args, max_queue=args.max_queue)
     assert config == EngineConfig(
@@ -46,6 +50,7 @@ def test_every_field_is_reachable_from_kvpool_serve():
         max_queue=9,
         kv_offload_dir="/tmp/tier",
         kv_offload_size=64 * MiB,
+        gpu_memory_utilization=0.5,
     )
     memory = from_args(serve_args("--kv-offload-memory", "32"))
     assert memory.kv_offload_memory == 32 * MiB and memory.kv_offload_dir is None
@@ -66,6 +71,9 @@ def test_every_field_is_reachable_from_kvpool_serve():
     [
         {"block_size": 0},
         {"kv_cache_memory": -1},
+        {"kv_cache_memory": 0},
+        {"gpu_memory_utilization": 0.0},
+        {"gpu_memory_utilization": 1.5},
         {"max_running": 0},
         {"watermark": 1.0},
         {"policy": "slots"},

@@ -68,14 +68,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="kvpool router: a replica with this many more requests in flight "
                         "than the least loaded one is passed over, whatever it caches "
                         "(default 32); below that, the least cost wins")  # fmt: skip
+    p.add_argument("--gpus-per-replica", type=float, default=None, metavar="N",
+                   help="GPUs each replica asks Ray for (default: none with --device cpu "
+                        "or where Ray has no GPU; else one each, or an equal share of one "
+                        "where replicas outnumber GPUs)")  # fmt: skip
 
 
-def serve_argv(args: argparse.Namespace) -> list[str]:
-    """The ``kvpool serve`` flags each replica builds its server from."""
+def replica_gpus(args: argparse.Namespace, cluster_gpus: float) -> float:
+    """The GPUs each replica asks Ray for (``--gpus-per-replica``, or chosen from the
+    cluster's). Ray hides every GPU from an actor that asks for none (its
+    ``CUDA_VISIBLE_DEVICES`` is empty), so a replica meant to compute on a GPU must ask.
+    Replicas that outnumber the GPUs share them: ``1 / ceil(replicas / GPUs)`` each, a
+    share that packs whole on every GPU."""
+    if args.gpus_per_replica is not None:
+        return float(args.gpus_per_replica)
+    if cluster_gpus < 1 or (args.device or "").startswith("cpu"):
+        return 0.0
+    return 1.0 / -(-args.replicas // int(cluster_gpus))
+
+
+def serve_argv(args: argparse.Namespace, gpus: float = 0.0) -> list[str]:
+    """The ``kvpool serve`` flags each replica builds its server from. A replica with a
+    share of a GPU (``gpus`` < 1) sizes its KV pool from that share of its memory."""
     argv: list[str] = [args.model] if args.model else []
     skip = {"model", "replicas", "threads", "address", "router", "imbalance", "host", "port",
-            "func", "command"}  # fmt: skip
-    for key, value in vars(args).items():
+            "func", "command", "gpus_per_replica"}  # fmt: skip
+    values = dict(vars(args))
+    if 0 < gpus < 1 and values.get("gpu_memory_utilization") is not None:
+        values["gpu_memory_utilization"] = round(values["gpu_memory_utilization"] * gpus, 4)
+    for key, value in values.items():
         if key in skip or value is None or value is False:
             continue
         flag = "--" + key.replace("_", "-")
@@ -89,8 +110,10 @@ def serve_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def application(args: argparse.Namespace, block_size: int, model_path: str) -> Any:
-    """The Ray Serve application the arguments describe."""
+def application(
+    args: argparse.Namespace, block_size: int, model_path: str, gpus: float = 0.0
+) -> Any:
+    """The Ray Serve application the arguments describe (``gpus``: each replica's)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -112,6 +135,7 @@ def application(args: argparse.Namespace, block_size: int, model_path: str) -> A
         max_ongoing_requests=args.max_queue + 256,
         ray_actor_options={
             "num_cpus": threads,
+            "num_gpus": gpus,
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}},
         },
         health_check_period_s=2,
@@ -120,7 +144,7 @@ def application(args: argparse.Namespace, block_size: int, model_path: str) -> A
     )
     KVPoolIngress = ingress_deployment()
     return KVPoolIngress.bind(
-        engine.bind(serve_argv(args), log_name(APP_NAME), LOG_NAMESPACE),
+        engine.bind(serve_argv(args, gpus), log_name(APP_NAME), LOG_NAMESPACE),
         model_path=model_path,
         block_size=block_size,
         api_keys=args.api_key,
@@ -205,6 +229,12 @@ def run(args: argparse.Namespace) -> int:
         cpus = max(os.cpu_count() or 1, args.replicas * threads)
         ray.init(num_cpus=cpus, include_dashboard=False, namespace=LOG_NAMESPACE,
                  log_to_driver=not args.quiet)  # fmt: skip
+    gpus = replica_gpus(args, ray.cluster_resources().get("GPU", 0))
+    if gpus and (args.device or "cuda") not in ("cuda", "cuda:0"):
+        print(f"kvpool: --device {args.device}: Ray gives each replica its GPU, which it "
+              "sees as cuda (give --device cuda)", file=sys.stderr)  # fmt: skip
+        ray.shutdown()
+        return 2
     log_actor = event_log(args.block_size)
     try:
         port = start_proxy(serve, host, port)
@@ -213,13 +243,15 @@ def run(args: argparse.Namespace) -> int:
         ray.kill(log_actor)
         ray.shutdown()
         return 1
+    on_gpus = f", {gpus:g} GPU each" if gpus else ""
     print(
-        f"kvpool: starting {args.replicas} replicas ({threads} threads each, router "
+        f"kvpool: starting {args.replicas} replicas ({threads} threads{on_gpus}, router "
         f"{args.router}) of {model_path}",
         file=sys.stderr,
         flush=True,
     )
-    serve.run(application(args, args.block_size, model_path), name=APP_NAME, route_prefix="/")
+    app = application(args, args.block_size, model_path, gpus)
+    serve.run(app, name=APP_NAME, route_prefix="/")
     print(f"kvpool: {args.replicas} replicas on Ray Serve, router {args.router}",
           file=sys.stderr, flush=True)  # fmt: skip
     print(f"kvpool: serving {args.model or 'the built-in model'} on http://{host}:{port}",

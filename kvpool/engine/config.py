@@ -27,11 +27,15 @@ class EngineConfig:
     """How one engine runs its model over one block pool.
 
     Invariants (checked at construction): sizes positive, ``0 <= watermark < 1``,
-    ``policy`` a ``Policy``; ``num_blocks``, when given, wins over ``kv_cache_memory``.
+    ``policy`` a ``Policy``, ``0 < gpu_memory_utilization <= 1``; ``num_blocks``, when
+    given, wins over ``kv_cache_memory``.
     """
 
     block_size: int = 16  # tokens per KV block
-    kv_cache_memory: int = 512 * MiB  # bytes of KV blocks (the whole pool)
+    # bytes of KV blocks (the whole pool); None: 512 MiB on the CPU, on a GPU what the
+    # model and its steps leave of gpu_memory_utilization of it (kvpool.model.device_memory)
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9  # share of a GPU's memory: weights, steps, pool
     num_blocks: int | None = None  # the pool in blocks instead of bytes (tests, benchmarks)
     kv_cache_dtype: str = "auto"  # "auto": the model's compute dtype
     max_batch_tokens: int = 2048  # tokens computed in one step; longer prompts are chunked
@@ -55,8 +59,13 @@ class EngineConfig:
         object.__setattr__(self, "policy", Policy(self.policy))
         positive = ("block_size", "kv_cache_memory", "max_batch_tokens", "max_running")
         for name in positive:
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value is not None and int(value) <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if not 0 <= self.watermark < 1:
@@ -108,8 +117,14 @@ def add_arguments(p: argparse.ArgumentParser, *, serving: bool = True) -> None:
     """Flags for the engine's settings, their defaults from ``EngineConfig``.
     ``serving=False`` (``kvpool generate``): the pool's size and shape only."""
     d = DEFAULTS
-    p.add_argument("--kv-cache-memory", type=int, default=d.kv_cache_memory // MiB,
-                   metavar="MiB", help=f"KV pool (default {d.kv_cache_memory // MiB})")  # fmt: skip
+    p.add_argument("--kv-cache-memory", type=int, default=None, metavar="MiB",
+                   help="KV pool (default: 512 on the CPU; on a GPU what the model and "
+                   "its steps leave of --gpu-memory-utilization)")  # fmt: skip
+    p.add_argument("--gpu-memory-utilization", type=float, metavar="FRACTION",
+                   default=d.gpu_memory_utilization,
+                   help="on a GPU without --kv-cache-memory: the share of its memory for "
+                   "the model, its steps and the KV pool, divided among --max-models "
+                   f"(default {d.gpu_memory_utilization})")  # fmt: skip
     p.add_argument("--block-size", type=int, default=d.block_size,
                    help=f"tokens per KV block (default {d.block_size})")  # fmt: skip
     p.add_argument("--kv-cache-dtype", choices=[*KV_CACHE_DTYPES, *_KV_ALIASES],
@@ -148,7 +163,10 @@ def add_arguments(p: argparse.ArgumentParser, *, serving: bool = True) -> None:
 def from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:
     """The ``EngineConfig`` that ``add_arguments``' flags describe."""
     fields: dict[str, object] = {
-        "kv_cache_memory": args.kv_cache_memory * MiB,
+        "kv_cache_memory": (
+            args.kv_cache_memory * MiB if args.kv_cache_memory is not None else None
+        ),
+        "gpu_memory_utilization": args.gpu_memory_utilization,
         "block_size": args.block_size,
         "kv_cache_dtype": args.kv_cache_dtype,
     }

@@ -45,6 +45,7 @@ from kvpool.engine.scheduler import Scheduler, Work
 from kvpool.engine.snapshot import EngineSnapshot, TenantSnapshot
 from kvpool.engine.step_cost import StepCost
 from kvpool.engine.structured import GrammarCompiler
+from kvpool.model.device_memory import CPU_KV_CACHE_MEMORY, NoRoomForKV, gpu_memory
 from kvpool.model.kv_store import kv_dtype_name, kv_element_bytes, kv_torch_dtype
 from kvpool.model.llama import LlamaModel
 from kvpool.model.runner import ModelRunner, SeqChunk
@@ -112,8 +113,10 @@ class Engine:
         kv_dtype = kv_torch_dtype(config.kv_cache_dtype, model.dtype)
         self.kv_cache_dtype = kv_dtype_name(kv_dtype)  # "auto" resolved
         geometry = model.config.kv_geometry(kv_element_bytes(kv_dtype, model.config.head_dim))
+        # how the pool was sized, where it was measured (a GPU without a given size)
+        self.kv_sizing: str | None = None
         num_blocks = config.num_blocks or geometry.blocks_for_budget(
-            config.kv_cache_memory, config.block_size
+            self._kv_budget(model, config), config.block_size
         )
         self.kv_bytes_per_block = geometry.bytes_per_block(config.block_size)
         self._tier = open_tier(config, model, self.kv_cache_dtype, self.kv_bytes_per_block)
@@ -171,6 +174,25 @@ class Engine:
                     )
                 except (KeyError, TypeError, ValueError, RequestError) as exc:
                     log.warning("KV tier: a saved pin was not pinned again: %s", exc)
+
+    def _kv_budget(self, model: LlamaModel, config: EngineConfig) -> int:
+        """The pool's bytes: as given; else on the CPU ``CPU_KV_CACHE_MEMORY``, on a GPU
+        what the model and its steps leave of ``gpu_memory_utilization`` of it
+        (measured: two steps run first; ``NoRoomForKV`` where nothing is left)."""
+        if config.kv_cache_memory is not None:
+            return config.kv_cache_memory
+        if model.device.type != "cuda":
+            return CPU_KV_CACHE_MEMORY
+        memory = gpu_memory(model, config.block_size, config.max_batch_tokens, config.max_running)
+        share = config.gpu_memory_utilization
+        budget = memory.kv_budget(share)
+        if budget <= 0:
+            raise NoRoomForKV(
+                f"no room for a KV pool on the GPU: {memory.describe(share)}; give "
+                "--kv-cache-memory, or a higher --gpu-memory-utilization"
+            )
+        self.kv_sizing = memory.describe(share)
+        return budget
 
     # -- what it is ----------------------------------------------------------------------
     @property

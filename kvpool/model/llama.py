@@ -254,6 +254,7 @@ class LlamaModel:
             self.inv_freq_local = (1.0 / config.rope_local_theta**exponents).to(device)
         self._buffer: torch.Tensor | None = None  # scratch for gathered K/V (attention.attend)
         self.source_path: Path | None = None  # the file it was loaded from (loader sets it)
+        self.device_bytes: int | None = None  # on a GPU, its bytes there (loader measures)
         # > 0: the step's light ops run on one thread and only the matrix products and
         # large gathers on this many (set by the runner for its SPLIT mode on the CPU).
         self.heavy_threads = 0

@@ -201,6 +201,8 @@ def load_model(
     native_seconds = start - native_start
     header = read_gguf_header(path)
     tokenizer = Tokenizer.from_gguf(header)
+    on_gpu = dev.type == "cuda"
+    gpu_before = torch.cuda.memory_allocated(dev) if on_gpu else 0
     bar = Progress(f"loading {path.name}", len(header.tensors)) if progress else None
     try:
         measure = dtype is None and ops is not None  # the compute dtype, by measurement
@@ -253,6 +255,8 @@ def load_model(
     if not fixed and isinstance(model.layers[0].o, QuantLinear):
         _choose_crossover(model.products, model, torch_dtype)
     model.source_path = Path(path)
+    if on_gpu:  # what the model holds there (device_memory sizes the KV pool with it)
+        model.device_bytes = torch.cuda.memory_allocated(dev) - gpu_before
     loaded = LoadedModel(
         path, config, model, tokenizer, time.perf_counter() - start, native_seconds, choice
     )

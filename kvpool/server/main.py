@@ -109,6 +109,8 @@ def build(args: argparse.Namespace, response_tag: str = "") -> Built:
     """Load the model, build its engine and the app, as ``kvpool serve`` runs them (a
     cluster replica builds the same, in process, its id as ``response_tag``)."""
     from kvpool.engine.async_llm import AsyncLLM
+    from kvpool.model.device_memory import CPU_KV_CACHE_MEMORY
+    from kvpool.model.loader import choose_device
     from kvpool.model.threads import in_passing_thread
     from kvpool.model_store import ModelNotFound
     from kvpool.server.app import create_app
@@ -125,8 +127,15 @@ def build(args: argparse.Namespace, response_tag: str = "") -> Built:
         )
         keys = KeyRing.load(args.api_key, args.keys_file)
         config = engine_config.from_args(args, max_queue=args.max_queue)
-        # one KV budget, an equal pool for each model that may be loaded at once
-        config = config.replace(kv_cache_memory=config.kv_cache_memory // args.max_models)
+        # one KV budget, an equal pool for each model that may be loaded at once (on a
+        # GPU without a size: an equal share of its memory for each)
+        if config.kv_cache_memory is None and choose_device(args.device).type == "cpu":
+            config = config.replace(kv_cache_memory=CPU_KV_CACHE_MEMORY)
+        if config.kv_cache_memory is not None:
+            config = config.replace(kv_cache_memory=config.kv_cache_memory // args.max_models)
+        else:
+            share = config.gpu_memory_utilization / args.max_models
+            config = config.replace(gpu_memory_utilization=share)
         # on a thread that ends here: this one serves HTTP, and no OpenMP pool of its
         # own may stay beside the engine thread's (``in_passing_thread``)
         loaded, engine = in_passing_thread(
@@ -146,9 +155,10 @@ def build(args: argparse.Namespace, response_tag: str = "") -> Built:
         f"caching {'on' if config.prefix_caching else 'off'}, API keys "
         f"{'on' if keys.enabled else 'off'}"
         + (f"; up to {args.max_models} models, a pool each" if args.max_models > 1 else "")
+        + (f"\n  KV pool {engine.kv_sizing}" if engine.kv_sizing else "")
     )
 
-    def load_more(requested: str, kv_bytes: int) -> ServedModel:
+    def load_more(requested: str, kv_bytes: int | None) -> ServedModel:
         """Another model, its own engine and pool (an executor's thread runs this: the
         loading itself on a thread that ends with it, as above)."""
         try:

@@ -68,16 +68,16 @@ class ModelRegistry:
     def __init__(
         self,
         primary: ServedModel,
-        load: Callable[[str, int], ServedModel] | None,
+        load: Callable[[str, int | None], ServedModel] | None,
         *,
         max_models: int = 1,
-        kv_bytes: int = 0,
+        kv_bytes: int | None = None,
         default_keep_alive: float = FOREVER,
     ) -> None:
         self.primary = primary
         self._load = load
         self.max_models = max_models
-        self.kv_bytes = kv_bytes  # each pool's
+        self.kv_bytes = kv_bytes  # each pool's (None: sized from the GPU's memory)
         self.default_keep_alive = default_keep_alive
         self.extras: list[ServedModel] = []
         self._lock = asyncio.Lock()
