@@ -124,6 +124,8 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         n, bs = llm.engine.num_blocks, llm.engine.block_size
         print(f"  KV pool: {n} blocks of {bs} tokens = {n * bs:,} token slots", file=sys.stderr)
+        if llm.engine.kv_sizing:  # a GPU's, sized from its memory
+            print(f"  KV pool {llm.engine.kv_sizing}", file=sys.stderr)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     start = time.perf_counter()
     if args.raw:

@@ -235,13 +235,13 @@ def load_gguf_weights(
             else:
                 raw = np.empty(info.num_bytes, dtype=np.uint8)
                 _read_into(file, torch.from_numpy(raw), info)
-                weights[info.name] = None  # type: ignore[assignment]  # (its place: file order)
                 pending.append((info.name, heads, pool.submit(dense, raw, info)))
                 finish(workers)
             if on_tensor:
                 on_tensor(i + 1, len(header.tensors))
         finish(0)
-    return config, weights
+    # in the file's order (the dense ones were finished out of it)
+    return config, {info.name: weights[info.name] for info in header.tensors}
 
 
 def _matrix_rows(info: GGUFTensorInfo) -> int:
