@@ -38,3 +38,15 @@ class PagedRunner:
     @property
     def model(self) -> Any:
         return self.runner.model
+
+    def decode_step_after_prefills(self, prompts: list[list[int]], first: int) -> list[Chunk]:
+        """Each prompt prefilled as a sequence of its own (ids 0, 1, ...), then a token
+        ``first + id`` appended to each: the decode step's chunks, to run."""
+        for seq, prompt in enumerate(prompts):
+            self.manager.allocate(seq, prompt)
+            self.forward([Chunk(seq, prompt, 0)])
+        chunks = []
+        for seq, prompt in enumerate(prompts):
+            self.manager.append(seq, [first + seq])
+            chunks.append(Chunk(seq, [first + seq], len(prompt)))
+        return chunks

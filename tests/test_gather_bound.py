@@ -65,13 +65,7 @@ def test_a_split_step_gives_the_whole_steps_logits(torch_path_model):
     runner = PagedRunner(torch_path_model, manager, threads=None)
     lengths = [5, 20, 140, 33, 60, 17, 100, 9]
     prompts = [[rng.randrange(3, 49000) for _ in range(n)] for n in lengths]
-    for seq, prompt in enumerate(prompts):
-        manager.allocate(seq, prompt)
-        runner.forward([Chunk(seq, prompt, 0)])
-    chunks = []
-    for seq, prompt in enumerate(prompts):
-        manager.append(seq, [7 + seq])
-        chunks.append(Chunk(seq, [7 + seq], len(prompt)))
+    chunks = runner.decode_step_after_prefills(prompts, 7)
     extra = [rng.randrange(3, 49000) for _ in range(30)]
     manager.allocate(99, extra)
     chunks.insert(3, Chunk(99, extra, 0))  # a prompt chunk among them

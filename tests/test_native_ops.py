@@ -77,13 +77,7 @@ def test_decode_steps_equal_the_torch_path(fp32_model):
     manager = KVCacheManager(128, 16)
     runner = PagedRunner(fp32_model, manager, threads=None)
     prompts = [[rng.randrange(3, 49000) for _ in range(n)] for n in (5, 16, 33, 200)]
-    for seq, prompt in enumerate(prompts):
-        manager.allocate(seq, prompt)
-        runner.forward([Chunk(seq, prompt, 0)])
-    chunks = []
-    for seq, prompt in enumerate(prompts):
-        manager.append(seq, [11 + seq])
-        chunks.append(Chunk(seq, [11 + seq], len(prompt)))
+    chunks = runner.decode_step_after_prefills(prompts, 11)
     assert fp32_model.native_decode is native
     with_native = runner.forward(chunks)
     fp32_model.native_decode = None
