@@ -186,12 +186,12 @@ class Engine:
         memory = gpu_memory(model, config.block_size, config.max_batch_tokens, config.max_running)
         share = config.gpu_memory_utilization
         budget = memory.kv_budget(share)
+        self.kv_sizing = memory.describe(share)
         if budget <= 0:
             raise NoRoomForKV(
-                f"no room for a KV pool on the GPU: {memory.describe(share)}; give "
+                f"no room for a KV pool on the GPU: {self.kv_sizing}; give "
                 "--kv-cache-memory, or a higher --gpu-memory-utilization"
             )
-        self.kv_sizing = memory.describe(share)
         return budget
 
     # -- what it is ----------------------------------------------------------------------

@@ -323,13 +323,12 @@ class ModelRunner:
         """``forward`` of the chunks one group at a time, its rows back in chunk order."""
         outs = [self.forward([chunks[i] for i in g], return_hidden=return_hidden) for g in groups]
         order = torch.tensor([i for g in groups for i in g])
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(len(order))
+        index = torch.empty_like(order)
+        index[order] = torch.arange(len(order))  # chunk i's row in the groups' order
         if not return_hidden:
-            return torch.cat(outs)[inverse.to(outs[0].device)]
-        logits = torch.cat([o[0] for o in outs])
-        hidden = torch.cat([o[1] for o in outs])
-        index = inverse.to(logits.device)
+            return torch.cat(outs)[index.to(outs[0].device)]
+        logits, hidden = (torch.cat(parts) for parts in zip(*outs, strict=True))
+        index = index.to(logits.device)
         return logits[index], hidden[index]
 
     def forward_scored(
