@@ -11,6 +11,7 @@ its pool on the GPU.
 
 from __future__ import annotations
 
+import gc
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -103,7 +104,9 @@ def test_device_chooses_where_a_gpu_machines_model_computes(tmp_path: Path):
     on_cpu = LLM(str(path), device="cpu", dtype="float32", progress=False)
     assert on_cpu.loaded.model.device.type == "cpu"
     assert " on cuda" not in on_cpu.loaded.compute_line()
-    on_gpu = LLM(str(path), device="cuda:0", dtype="float32", progress=False)
+    # a pool of its own size: sized from the GPU, it would hold 0.9 of it for the module
+    on_gpu = LLM(str(path), device="cuda:0", dtype="float32", progress=False,
+                 kv_cache_memory=64 << 20)  # fmt: skip
     assert on_gpu.loaded.model.device == torch.device("cuda:0")
     assert " on cuda:0 (" in on_gpu.loaded.compute_line()
     want = on_cpu.generate([[5, 6, 7]], GREEDY)[0].token_ids
@@ -209,6 +212,8 @@ def test_kvpool_serve_runs_on_the_gpu_and_answers(tmp_path: Path):
     from kvpool.bench.synth_model import write
 
     path = write("smollm2-135m", "Q4_0", tmp_path / "smollm2-135m-Q4_0.gguf", progress=False)
+    gc.collect()  # the server sizes its pool from what is free: none kept cached here
+    torch.cuda.empty_cache()
     server = LocalServer(str(path), "--gpu-memory-utilization", "0.1")
     try:
         assert "KV pool sized from" in server.logs()
