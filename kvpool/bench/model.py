@@ -198,7 +198,11 @@ def _llama_cpp_side(bin_dir, model: str | None) -> dict[str, float]:
 
     path = resolve_model_path(model)
     config = ModelConfig.from_gguf(read_gguf_header(path))
-    threads = os.cpu_count() or 1
+    import torch
+
+    # the threads kvpool computes with (torch's: one a physical core), not os.cpu_count(),
+    # which counts a core's hyperthreads too and would slow llama.cpp down on such CPUs
+    threads = torch.get_num_threads()
     figures = llama_cpp.bench(bin_dir, path, threads, PREFILL, DECODE_STEPS)
     prompts = {b: _prompts(b, PROMPT, min(config.vocab_size, 40003)) for b in BATCHES}
     served = llama_cpp.serve(
