@@ -56,7 +56,12 @@ _HEADERS = sorted([*_CSRC.glob("*.h"), *_CSRC.glob("*.inc")])
 # serves every CPU of the architecture (a home directory shared by two machines, an
 # emulator). OpenMP from torch's own runtime (libgomp.so.1 is already loaded by torch,
 # so the extension binds to it: one thread pool, the same spin setting).
-_FLAGS = ["-O3", "-fno-math-errno", "-fopenmp"]
+# -ffp-contract=off: a multiply and an add are fused only where a kernel says so (an FMA
+# intrinsic). GCC fuses them by its own choice otherwise (its default for GNU C++), and
+# chose differently for a kernel's 4-row and 1-row forms: Q4_0's and Q5_0's offset terms
+# were rounded once in one and twice in the other, and a row computed alone differed in
+# its last bits from the same row in a batch (seen on an AVX-512 Xeon with GCC 13).
+_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
 
 
 def emulating_avx512() -> bool:
