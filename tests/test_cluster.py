@@ -274,3 +274,18 @@ def test_a_replica_killed_mid_run(cluster):
             break
         assert time.monotonic() < deadline, view
         time.sleep(0.5)
+
+
+def test_replicas_that_could_never_get_their_gpus_are_refused_up_front():
+    """More GPUs asked for than the Ray cluster has: a one-line error and exit status 2,
+    not a Ray Serve that waits for them without end."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "kvpool.cli", "cluster", "--replicas", "64",
+         "--gpus-per-replica", "1", "--port", "0", "--quiet"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "64 replicas of 1 GPU each do not fit the Ray cluster's" in run.stderr

@@ -32,6 +32,7 @@ from kvpool.cache.kv_index import prefix_keys
 from kvpool.cluster.app import (
     PortInUse,
     ephemeral_ports,
+    gpu_shortfall,
     replica_gpus,
     serve_argv,
     start_proxy,
@@ -430,6 +431,17 @@ def test_replicas_ask_ray_for_gpus_where_they_compute_on_one():
     assert replica_gpus(_cluster_args("--replicas", "4"), 1) == 0.25
     assert replica_gpus(_cluster_args("--device", "cpu"), 4) == 0.0
     assert replica_gpus(_cluster_args("--gpus-per-replica", "0.5"), 0) == 0.5
+
+    # what Ray could never place is refused up front (Ray Serve would wait without end)
+    for replicas, each, cluster in ((2, 1.0, 2), (3, 0.5, 2), (4, 0.25, 1), (8, 0, 0), (1, 2, 2)):
+        assert gpu_shortfall(replicas, each, cluster) is None, (replicas, each, cluster)
+    for replicas, each, cluster in ((3, 1.0, 2), (2, 0.5, 0), (3, 0.4, 1), (2, 2, 3)):
+        why = gpu_shortfall(replicas, each, cluster)
+        assert why and f"{cluster:g} GPUs" in why and "--gpus-per-replica" in why
+    assert "0 or more" in gpu_shortfall(1, -1, 4)
+    chosen = [(r, g) for r in range(1, 9) for g in range(1, 5)]  # the default's shares fit
+    assert all(gpu_shortfall(r, replica_gpus(_cluster_args("--replicas", str(r)), g), g) is None
+               for r, g in chosen)  # fmt: skip
 
     argv = serve_argv(two, 1.0)
     assert "--gpus-per-replica" not in argv and "--replicas" not in argv

@@ -87,6 +87,28 @@ def replica_gpus(args: argparse.Namespace, cluster_gpus: float) -> float:
     return 1.0 / -(-args.replicas // int(cluster_gpus))
 
 
+def gpu_shortfall(replicas: int, each: float, cluster_gpus: float) -> str | None:
+    """Why Ray could never place ``replicas`` replicas asking ``each`` GPU on a cluster of
+    ``cluster_gpus`` GPUs, or None. Ray Serve does not refuse such replicas: it waits for
+    GPUs that never come. A share below one packs whole on a GPU (``floor(1 / each)``
+    replicas each); a larger ask takes whole GPUs. Reckoned from the cluster's total,
+    so it finds what can never fit; GPUs spread over nodes can still leave a replica
+    waiting, with Ray's own message."""
+    if each < 0:
+        return f"--gpus-per-replica {each:g}: a share of a GPU is 0 or more"
+    if each == 0:
+        return None
+    per_gpu = int(1 / each + 1e-9) if each < 1 else 0
+    room = int(cluster_gpus) * per_gpu if each < 1 else int(cluster_gpus // each + 1e-9)
+    if replicas <= room:
+        return None
+    return (
+        f"{replicas} replicas of {each:g} GPU each do not fit the Ray cluster's "
+        f"{cluster_gpus:g} GPUs (room for {room}); Ray Serve would wait for them without "
+        "end: give fewer --replicas or a smaller --gpus-per-replica"
+    )
+
+
 def serve_argv(args: argparse.Namespace, gpus: float = 0.0) -> list[str]:
     """The ``kvpool serve`` flags each replica builds its server from. A replica with a
     share of a GPU (``gpus`` < 1) sizes its KV pool from that share of its memory."""
@@ -229,7 +251,13 @@ def run(args: argparse.Namespace) -> int:
         cpus = max(os.cpu_count() or 1, args.replicas * threads)
         ray.init(num_cpus=cpus, include_dashboard=False, namespace=LOG_NAMESPACE,
                  log_to_driver=not args.quiet)  # fmt: skip
-    gpus = replica_gpus(args, ray.cluster_resources().get("GPU", 0))
+    cluster_gpus = ray.cluster_resources().get("GPU", 0)
+    gpus = replica_gpus(args, cluster_gpus)
+    shortfall = gpu_shortfall(args.replicas, gpus, cluster_gpus)
+    if shortfall:
+        print(f"kvpool: {shortfall}", file=sys.stderr)
+        ray.shutdown()
+        return 2
     if gpus and (args.device or "cuda") not in ("cuda", "cuda:0"):
         print(f"kvpool: --device {args.device}: Ray gives each replica its GPU, which it "
               "sees as cuda (give --device cuda)", file=sys.stderr)  # fmt: skip
