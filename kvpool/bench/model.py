@@ -57,12 +57,17 @@ def _rates(run) -> dict[str, float]:
     of the decode steps after it). Both sides first run the prefill shape a few times
     unmeasured, as any warm-up: kvpool's thread policy makes its first trials of a kind
     of step there (one of them on one thread, twice as slow at this size), which a
-    server pays once, not once in three steps. The decode runs are long enough to carry
-    theirs."""
+    server pays once, not once in three steps. Batch 1's decode is warmed the same way
+    (one unmeasured run, as ``llama-bench`` warms its own): its first runs hold the
+    policy's first trials of a decode step, one of them on one thread, which costs a step
+    of a 16-core machine several times its time, and would be in the median. Larger
+    batches take the best of their runs, which leaves such trials out."""
     for _ in range(WARMUP_PREFILLS):
         run(1, PREFILL, 1)
     prefill = (PREFILL / run(1, PREFILL, 1)[0] for _ in range(REPEATS))
     out = {"prefill_tok_s": statistics.median(prefill)}
+    if 1 in BATCHES:
+        run(1, PROMPT, DECODE_STEPS + 1)  # warm-up (batch 1's figure is a median)
     for batch in BATCHES:
         rates = [
             batch * DECODE_STEPS / run(batch, PROMPT, DECODE_STEPS + 1)[1] for _ in range(REPEATS)
