@@ -5,7 +5,8 @@
 // tests run there. Included by isa_variant.inc in place of <immintrin.h>, after the
 // target pragma; never part of a production build.
 //
-// SIMDe lacks three names the kernels use: they are defined here from its intrinsics.
+// SIMDe lacks three names the kernels use: they are defined here from its intrinsics;
+// its fused multiply-adds are replaced (below).
 // _mm512_reduce_add_ps is not one instruction: GCC's header defines it as this sequence
 // (halves, then quarters, then pairs), so these sums have the same bits as on AVX-512.
 // SIMDe's _mm512_dpbf16_ps adds a pair's even product first; the instruction (Intel's
@@ -61,3 +62,33 @@ static inline __m512 kvp_emulated_dpbf16_ps(__m512 src, __m512bh a, __m512bh b) 
 }
 #undef _mm512_dpbf16_ps
 #define _mm512_dpbf16_ps(src, a, b) kvp_emulated_dpbf16_ps(src, a, b)
+
+// Fused multiply-adds, rounded once as the instructions are. Under the target pragma
+// SIMDe sees no native FMA and composes them of a multiply and an add: fused again only
+// by the compiler's own contraction, which the native ops' build turns off
+// (-ffp-contract=off, kvpool.model.native).
+static inline __m256 kvp_emulated_fma256(__m256 a, __m256 b, __m256 c, float sign) {
+  float x[8], y[8], z[8];
+  _mm256_storeu_ps(x, a);
+  _mm256_storeu_ps(y, b);
+  _mm256_storeu_ps(z, c);
+  for (int i = 0; i < 8; ++i) z[i] = __builtin_fmaf(sign * x[i], y[i], z[i]);
+  return _mm256_loadu_ps(z);
+}
+
+static inline __m512 kvp_emulated_fma512(__m512 a, __m512 b, __m512 c, float sign) {
+  float x[16], y[16], z[16];
+  _mm512_storeu_ps(x, a);
+  _mm512_storeu_ps(y, b);
+  _mm512_storeu_ps(z, c);
+  for (int i = 0; i < 16; ++i) z[i] = __builtin_fmaf(sign * x[i], y[i], z[i]);
+  return _mm512_loadu_ps(z);
+}
+#undef _mm256_fmadd_ps
+#define _mm256_fmadd_ps(a, b, c) kvp_emulated_fma256(a, b, c, 1.f)
+#undef _mm256_fnmadd_ps
+#define _mm256_fnmadd_ps(a, b, c) kvp_emulated_fma256(a, b, c, -1.f)
+#undef _mm512_fmadd_ps
+#define _mm512_fmadd_ps(a, b, c) kvp_emulated_fma512(a, b, c, 1.f)
+#undef _mm512_fnmadd_ps
+#define _mm512_fnmadd_ps(a, b, c) kvp_emulated_fma512(a, b, c, -1.f)
