@@ -67,28 +67,22 @@ static inline __m512 kvp_emulated_dpbf16_ps(__m512 src, __m512bh a, __m512bh b) 
 // SIMDe sees no native FMA and composes them of a multiply and an add: fused again only
 // by the compiler's own contraction, which the native ops' build turns off
 // (-ffp-contract=off, kvpool.model.native).
-static inline __m256 kvp_emulated_fma256(__m256 a, __m256 b, __m256 c, float sign) {
-  float x[8], y[8], z[8];
-  _mm256_storeu_ps(x, a);
-  _mm256_storeu_ps(y, b);
-  _mm256_storeu_ps(z, c);
-  for (int i = 0; i < 8; ++i) z[i] = __builtin_fmaf(sign * x[i], y[i], z[i]);
-  return _mm256_loadu_ps(z);
-}
-
-static inline __m512 kvp_emulated_fma512(__m512 a, __m512 b, __m512 c, float sign) {
-  float x[16], y[16], z[16];
-  _mm512_storeu_ps(x, a);
-  _mm512_storeu_ps(y, b);
-  _mm512_storeu_ps(z, c);
-  for (int i = 0; i < 16; ++i) z[i] = __builtin_fmaf(sign * x[i], y[i], z[i]);
-  return _mm512_loadu_ps(z);
+template <class V>
+static inline V kvp_emulated_fma(V a, V b, V c, float sign) {
+  constexpr int n = sizeof(V) / sizeof(float);
+  float x[n], y[n], z[n];
+  memcpy(x, &a, sizeof a);
+  memcpy(y, &b, sizeof b);
+  memcpy(z, &c, sizeof c);
+  for (int i = 0; i < n; ++i) z[i] = __builtin_fmaf(sign * x[i], y[i], z[i]);
+  memcpy(&c, z, sizeof c);
+  return c;
 }
 #undef _mm256_fmadd_ps
-#define _mm256_fmadd_ps(a, b, c) kvp_emulated_fma256(a, b, c, 1.f)
+#define _mm256_fmadd_ps(a, b, c) kvp_emulated_fma<__m256>(a, b, c, 1.f)
 #undef _mm256_fnmadd_ps
-#define _mm256_fnmadd_ps(a, b, c) kvp_emulated_fma256(a, b, c, -1.f)
+#define _mm256_fnmadd_ps(a, b, c) kvp_emulated_fma<__m256>(a, b, c, -1.f)
 #undef _mm512_fmadd_ps
-#define _mm512_fmadd_ps(a, b, c) kvp_emulated_fma512(a, b, c, 1.f)
+#define _mm512_fmadd_ps(a, b, c) kvp_emulated_fma<__m512>(a, b, c, 1.f)
 #undef _mm512_fnmadd_ps
-#define _mm512_fnmadd_ps(a, b, c) kvp_emulated_fma512(a, b, c, -1.f)
+#define _mm512_fnmadd_ps(a, b, c) kvp_emulated_fma<__m512>(a, b, c, -1.f)
