@@ -98,8 +98,10 @@ def gpu_shortfall(replicas: int, each: float, cluster_gpus: float) -> str | None
         return f"--gpus-per-replica {each:g}: a share of a GPU is 0 or more"
     if each == 0:
         return None
-    per_gpu = int(1 / each + 1e-9) if each < 1 else 0
-    room = int(cluster_gpus) * per_gpu if each < 1 else int(cluster_gpus // each + 1e-9)
+    if each < 1:  # floor(1 / each) replicas on each whole GPU
+        room = int(cluster_gpus) * int(1 / each + 1e-9)
+    else:
+        room = int(cluster_gpus // each + 1e-9)
     if replicas <= room:
         return None
     return (
