@@ -84,9 +84,17 @@ def _bench(args: argparse.Namespace) -> int:
     if args.what == "model":
         if args.batches:
             os.environ["KVPOOL_BENCH_BATCHES"] = ",".join(str(b) for b in args.batches)
+        cpus = os.cpu_count() or 1
+        if args.threads and not all(1 <= n <= cpus for n in args.threads):
+            print(f"kvpool: --threads: each count from 1 to this machine's {cpus} CPUs")
+            return 2
         from kvpool.bench import model
 
-        print(model.run(args.dtype, args.rounds, args.model, args.against, args.llama_cpp))
+        print(
+            model.run(
+                args.dtype, args.rounds, args.model, args.against, args.llama_cpp, args.threads
+            )
+        )
         return 0
     if args.what == "synth-model":
         from pathlib import Path
@@ -236,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--batches", type=int, nargs="+", default=None, metavar="N",
         help="model: decode batch sizes (default 1 8 32)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--threads", type=int, nargs="+", default=None, metavar="N",
+        help="model: measure every side at each of these thread counts (default: one "
+        "thread a physical core); a table per count, then all counts side by side",
     )  # fmt: skip
     bench.add_argument("--preset", default="llama-3.2-1b", help="synth-model: the geometry")
     bench.add_argument("--mix", default="Q4_0", help="synth-model: Q4_0, Q8_0, Q4_K_M or Q5_K_M")

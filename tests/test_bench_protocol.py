@@ -28,3 +28,63 @@ def test_warm_ups_come_first_and_each_figure_is_its_statistic(monkeypatch):
     assert out["prefill_tok_s"] == model.PREFILL / 0.5
     assert out["decode_b1_tok_s"] == model.DECODE_STEPS / 2.0  # the median of 4, 1, 2 s
     assert out["decode_b8_tok_s"] == 8 * model.DECODE_STEPS / 1.0  # the best of 9, 1, 3 s
+
+
+def test_thread_counts_alternate_and_each_side_gets_its_count(monkeypatch, tmp_path):
+    """``--threads 1 2``: every side measured at each count, the rounds alternating over
+    counts and sides; each count's table names it, and a last table sets the counts side
+    by side with kvpool's ratio to the first other side's figure."""
+    from kvpool.bench import llama_cpp
+
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"\0" * 1024)
+    monkeypatch.setattr(model, "BATCHES", (1,))
+    monkeypatch.setattr("kvpool.model_store.resolve_model_path", lambda m: path)
+    monkeypatch.setattr(llama_cpp, "find", lambda given: tmp_path)
+    order: list[tuple[str, int | None]] = []
+
+    def figures(rate: float) -> dict[str, float]:
+        return {"load_s": 1.0, "prefill_tok_s": rate, "decode_b1_tok_s": rate,
+                "peak_rss_mib": 100.0}  # fmt: skip
+
+    def child(side, dtype, m, threads):
+        order.append((side, threads))
+        return figures(30.0 * (threads or 1))
+
+    def theirs(bin_dir, m, threads):
+        order.append(("llama.cpp", threads))
+        return figures(20.0 * threads)
+
+    monkeypatch.setattr(model, "_child_side", child)
+    monkeypatch.setattr(model, "_llama_cpp_side", theirs)
+    out = model.run(rounds=2, model="m", against=["llama.cpp"], threads=[1, 2])
+    assert order == [("kvpool", 1), ("llama.cpp", 1), ("kvpool", 2), ("llama.cpp", 2)] * 2
+    tables = out.split("\n\n")
+    assert len(tables) == 3
+    assert ", 1 thread, " in tables[0] and ", 2 threads, " in tables[1]
+    assert "decode batch 1 tok/s          60.0          40.0   1.50x" in tables[1]
+    summary = tables[2].splitlines()
+    assert summary[0] == "by threads: kvpool's figure (its ratio to llama.cpp's)"
+    assert summary[1].split() == ["threads", "1", "2"]
+    row = next(line for line in summary if line.startswith("decode batch 1"))
+    assert row.split()[-4:] == ["1.50x", "(30.0)", "1.50x", "(60.0)"]
+    # without --threads: one table, at the default count, the children's env untouched
+    order.clear()
+    monkeypatch.setattr(model, "default_threads", lambda: 7)
+    out = model.run(rounds=1, model="m", against=["llama.cpp"])
+    assert order == [("kvpool", None), ("llama.cpp", 7)] and "\n\n" not in out
+
+
+def test_a_sides_environment_carries_its_thread_count():
+    assert model._side_env("kvpool", 3)["OMP_NUM_THREADS"] == "3"
+    assert model._side_env("transformers", 5)["OMP_NUM_THREADS"] == "5"
+
+
+def test_thread_counts_beyond_the_machine_are_refused(capsys):
+    import os
+
+    from kvpool.cli import main
+
+    assert main(["bench", "model", "--threads", "1", str((os.cpu_count() or 1) + 1)]) == 2
+    assert main(["bench", "model", "--threads", "0"]) == 2
+    assert "--threads: each count from 1 to" in capsys.readouterr().out

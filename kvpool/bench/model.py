@@ -14,8 +14,11 @@ prefills a batch's prompts in steps of at most the engine's default step budget
 (``EngineConfig.max_batch_tokens``), as it serves them; transformers in one call, as
 ``generate()`` does.
 
-Each side runs with its own defaults: kvpool's OpenMP settings (``kvpool/__init__.py``)
-come with importing kvpool, transformers gets libgomp's (unless the user set them).
+Every side computes with the same number of threads: one a physical core (torch's
+count), or each of ``--threads N ...`` in turn (a table per count, then every count side
+by side: how each side's figures grow with cores). Each side runs with its own
+defaults: kvpool's OpenMP settings (``kvpool/__init__.py``) come with importing kvpool,
+transformers gets libgomp's (unless the user set them).
 
 The two sides alternate over several rounds (kvpool, transformers, kvpool, ...) and each
 figure is the median over rounds: the shared machines this is measured on have slow
@@ -188,14 +191,27 @@ def _measure_side(side: str, dtype: str | None, model: str | None) -> None:
     print(json.dumps(figures))
 
 
-def _side_env(side: str) -> dict[str, str]:
+def _side_env(side: str, threads: int | None = None) -> dict[str, str]:
+    """A side's environment: ``threads`` (when given) as its OpenMP thread count, which
+    torch takes for its own, and so kvpool's products and thread policy."""
     env = dict(os.environ)
     if side == "transformers" and kvpool.openmp_defaults_applied:
         env["GOMP_SPINCOUNT"] = "300000"  # libgomp's own default, as torch alone runs
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     return env
 
 
-def _llama_cpp_side(bin_dir, model: str | None) -> dict[str, float]:
+def default_threads() -> int:
+    """The threads kvpool computes with unless told: torch's count (one a physical core).
+    Not ``os.cpu_count()``, which counts a core's hyperthreads too and would slow
+    llama.cpp down on such CPUs."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _llama_cpp_side(bin_dir, model: str | None, threads: int) -> dict[str, float]:
     from kvpool.bench import llama_cpp
     from kvpool.formats.gguf_header import read_gguf_header
     from kvpool.model.config import ModelConfig
@@ -203,11 +219,6 @@ def _llama_cpp_side(bin_dir, model: str | None) -> dict[str, float]:
 
     path = resolve_model_path(model)
     config = ModelConfig.from_gguf(read_gguf_header(path))
-    import torch
-
-    # the threads kvpool computes with (torch's: one a physical core), not os.cpu_count(),
-    # which counts a core's hyperthreads too and would slow llama.cpp down on such CPUs
-    threads = torch.get_num_threads()
     figures = llama_cpp.bench(bin_dir, path, threads, PREFILL, DECODE_STEPS)
     prompts = {b: _prompts(b, PROMPT, min(config.vocab_size, 40003)) for b in BATCHES}
     served = llama_cpp.serve(
@@ -232,9 +243,12 @@ def run(
     model: str | None = None,
     against: list[str] | None = None,
     llama_cpp_dir: str | None = None,
+    threads: list[int] | None = None,
 ) -> str:
+    """The comparison's tables. ``threads``: the thread counts to measure at, every side
+    at each (one table per count, then one of every count side by side); default: one
+    table at ``default_threads()``. Rounds alternate over counts and sides alike."""
     from kvpool.bench import llama_cpp
-    from kvpool.model.cpu import cpu_features
     from kvpool.model_store import resolve_model_path
 
     path = resolve_model_path(model)
@@ -245,51 +259,100 @@ def run(
         )
     if "llama.cpp" in against and bin_dir is None:
         raise SystemExit("kvpool: llama.cpp not found (--llama-cpp DIR or $KVPOOL_LLAMA_CPP)")
+    counts = list(threads) if threads else [default_threads()]
     sides = ["kvpool", *against]
-    runs: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+    runs: dict[tuple[int, str], list[dict[str, float]]] = {}
     for r in range(rounds):
-        for side in sides:
-            print(
-                f"bench model: round {r + 1}/{rounds}, measuring {side}...",
-                file=sys.stderr, flush=True,
-            )  # fmt: skip
-            if side == "llama.cpp":
-                runs[side].append(_llama_cpp_side(bin_dir, model))
-                continue
-            out = subprocess.run(
-                [sys.executable, "-m", "kvpool.bench.model", side, dtype or "auto",
-                 model or ""],
-                capture_output=True, text=True, check=True, env=_side_env(side),
-            )  # fmt: skip
-            runs[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        for n in counts:
+            for side in sides:
+                print(
+                    f"bench model: round {r + 1}/{rounds}, {_threads(n)}, measuring {side}...",
+                    file=sys.stderr, flush=True,
+                )  # fmt: skip
+                runs.setdefault((n, side), []).append(
+                    _llama_cpp_side(bin_dir, model, n)
+                    if side == "llama.cpp"
+                    else _child_side(side, dtype, model, n if threads else None)
+                )
     medians = {
-        side: {key: statistics.median(r[key] for r in results) for key in results[0]}
-        for side, results in runs.items()
+        key: {figure: statistics.median(r[figure] for r in results) for figure in results[0]}
+        for key, results in runs.items()
     }
-    cpu = cpu_features()
+    tables = [
+        _table(path, dtype, rounds, n, {side: medians[n, side] for side in sides}, against)
+        for n in counts
+    ]
+    if len(counts) > 1:
+        tables.append(_threads_table(counts, medians, against[0] if against else None))
+    return "\n\n".join(tables)
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread" + ("s" if n != 1 else "")
+
+
+def _child_side(side: str, dtype: str | None, model: str | None, threads: int | None) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpool.bench.model", side, dtype or "auto", model or ""],
+        capture_output=True, text=True, check=True, env=_side_env(side, threads),
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _labels(kvpool_figures: dict[str, float]) -> list[tuple[str, str, bool]]:
+    """(figure, label, higher is better) in the tables' order."""
+    labels = [("load_s", "load (s)", False), ("prefill_tok_s", f"prefill {PREFILL} tok/s", True)]
+    labels += [(f"decode_b{b}_tok_s", f"decode batch {b} tok/s", True) for b in BATCHES]
+    labels += [("peak_rss_mib", "peak memory (MiB)", False)]
+    if "peak_gpu_mib" in kvpool_figures:
+        labels += [("peak_gpu_mib", "peak GPU memory (MiB)", False)]
+    return labels
+
+
+def _ratio(ours: float, theirs: float, higher_better: bool) -> float:
+    return ours / theirs if higher_better else theirs / ours
+
+
+def _table(path, dtype, rounds: int, threads: int, medians: dict, against: list[str]) -> str:
+    from kvpool.model.cpu import cpu_features
+
     lines = [
         f"{path.name} ({path.stat().st_size / 2**20:.0f} MiB), kvpool dtype {dtype or 'auto'}, "
-        f"{os.cpu_count()} CPUs: {cpu.summary()}" + _gpu_name(),
+        f"{_threads(threads)}, {os.cpu_count()} CPUs: {cpu_features().summary()}" + _gpu_name(),
         f"decode over {DECODE_STEPS} steps after {PROMPT}-token prompts; KV for "
         f"{kv_tokens()} tokens on every side; medians of {rounds} alternating rounds",
         f"{'':<24}{'kvpool':>10}" + "".join(f"{s:>14}{'ratio':>8}" for s in against),
     ]
-    labels = [("load_s", "load (s)", False), ("prefill_tok_s", f"prefill {PREFILL} tok/s", True)]
-    labels += [(f"decode_b{b}_tok_s", f"decode batch {b} tok/s", True) for b in BATCHES]
-    labels += [("peak_rss_mib", "peak memory (MiB)", False)]
-    if "peak_gpu_mib" in medians["kvpool"]:
-        labels += [("peak_gpu_mib", "peak GPU memory (MiB)", False)]
-    for key, label, higher_better in labels:
+    for key, label, higher_better in _labels(medians["kvpool"]):
         a = medians["kvpool"].get(key, float("nan"))
         row = f"{label:<24}{a:>10.1f}"
         for side in against:
             b = medians[side].get(key, float("nan"))
-            ratio = a / b if higher_better else b / a
-            row += f"{b:>14.1f}{ratio:>7.2f}x"
+            row += f"{b:>14.1f}{_ratio(a, b, higher_better):>7.2f}x"
         lines.append(row)
     lines.append(
         "ratio: how many times better kvpool is (speed: ours/theirs; time, memory: theirs/ours)"
     )
+    return "\n".join(lines)
+
+
+def _threads_table(counts: list[int], medians: dict, other: str | None) -> str:
+    """Each figure at every thread count: kvpool's, and its ratio to ``other``'s."""
+    cell = 18
+    lines = [
+        "by threads: kvpool's figure" + (f" (its ratio to {other}'s)" if other else ""),
+        f"{'threads':<24}" + "".join(f"{n:>{cell}}" for n in counts),
+    ]
+    for key, label, higher_better in _labels(medians[counts[0], "kvpool"]):
+        row = f"{label:<24}"
+        for n in counts:
+            a = medians[n, "kvpool"].get(key, float("nan"))
+            text = f"{a:.1f}"
+            if other:
+                b = medians[n, other].get(key, float("nan"))
+                text = f"{_ratio(a, b, higher_better):.2f}x ({a:.1f})"
+            row += f"{text:>{cell}}"
+        lines.append(row)
     return "\n".join(lines)
 
 
