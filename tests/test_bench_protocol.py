@@ -88,3 +88,30 @@ def test_thread_counts_beyond_the_machine_are_refused(capsys):
     assert main(["bench", "model", "--threads", "1", str((os.cpu_count() or 1) + 1)]) == 2
     assert main(["bench", "model", "--threads", "0"]) == 2
     assert "--threads: each count from 1 to" in capsys.readouterr().out
+
+
+def test_a_sides_own_lines_reach_the_report(monkeypatch, capsys):
+    """The kvpool side's process says its compute line and its thread policy's
+    estimates on stderr: they are passed on (they were swallowed), other output is not."""
+    import subprocess
+
+    said = "bench model: kvpool compute dtype torch.bfloat16: measured ...\n"
+
+    def fake_run(args, **kw):
+        assert kw["env"]["OMP_NUM_THREADS"] == "4"
+        return subprocess.CompletedProcess(args, 0, '{"prefill_tok_s": 1.5}\n', "noise\n" + said)
+
+    monkeypatch.setattr(model.subprocess, "run", fake_run)
+    assert model._child_side("kvpool", None, None, 4) == {"prefill_tok_s": 1.5}
+    assert capsys.readouterr().err == said
+
+
+def test_the_policy_line_puts_each_kinds_fastest_mode_first():
+    line = model.policy_line(
+        {"decode <2 tokens": {"all": 56.3, "split": 73.7, "one": 100.7},
+         "prefill <32 tokens": {}, "decode <32 tokens": {"one": 9.0, "all": 4.25}}
+    )  # fmt: skip
+    assert line.endswith(
+        "decode <2 tokens: all 56.30, split 73.70, one 100.70; "
+        "decode <32 tokens: all 4.25, one 9.00"
+    )

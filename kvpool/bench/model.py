@@ -139,7 +139,21 @@ def _ours(dtype: str | None, model: str | None) -> dict[str, float]:
 
     run(1, 16, 2)  # warm up
     result.update(_rates(run))
+    if runner.threads is not None:
+        print(f"bench model: kvpool {policy_line(runner.threads.summary())}", file=sys.stderr)
     return result
+
+
+def policy_line(summary: dict[str, dict[str, float]]) -> str:
+    """The thread policy's estimates (``ThreadPolicy.summary()``) in one line, each step
+    kind's modes fastest first (the first is the one it runs)."""
+    kinds = [
+        f"{kind}: "
+        + ", ".join(f"{mode} {ms:.2f}" for mode, ms in sorted(modes.items(), key=lambda m: m[1]))
+        for kind, modes in summary.items()
+        if modes
+    ]
+    return "thread policy, ms a token by step kind, fastest first: " + "; ".join(kinds)
 
 
 def _transformers(dtype: str | None, model: str | None) -> dict[str, float]:
@@ -292,10 +306,15 @@ def _threads(n: int) -> str:
 
 
 def _child_side(side: str, dtype: str | None, model: str | None, threads: int | None) -> dict:
+    """One side's figures from its own process; the lines it said about itself (kvpool:
+    its compute line, its thread policy's estimates) passed on to this one's stderr."""
     out = subprocess.run(
         [sys.executable, "-m", "kvpool.bench.model", side, dtype or "auto", model or ""],
         capture_output=True, text=True, check=True, env=_side_env(side, threads),
     )  # fmt: skip
+    for line in out.stderr.splitlines():
+        if line.startswith("bench model: "):
+            print(line, file=sys.stderr, flush=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
