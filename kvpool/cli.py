@@ -86,7 +86,10 @@ def _bench(args: argparse.Namespace) -> int:
             os.environ["KVPOOL_BENCH_BATCHES"] = ",".join(str(b) for b in args.batches)
         cpus = os.cpu_count() or 1
         if args.threads and not all(1 <= n <= cpus for n in args.threads):
-            print(f"kvpool: --threads: each count from 1 to this machine's {cpus} CPUs")
+            print(
+                f"kvpool: --threads: each count from 1 to this machine's {cpus} CPUs",
+                file=sys.stderr,
+            )
             return 2
         from kvpool.bench import model
 
@@ -102,7 +105,8 @@ def _bench(args: argparse.Namespace) -> int:
         from kvpool.bench import synth_model
 
         if args.preset not in synth_model.PRESETS:
-            print(f"kvpool: unknown preset; choose from {', '.join(synth_model.PRESETS)}")
+            presets = ", ".join(synth_model.PRESETS)
+            print(f"kvpool: unknown preset; choose from {presets}", file=sys.stderr)
             return 2
         out = Path(args.out) / f"{args.preset}-{args.mix}.gguf"
         print(synth_model.write(args.preset, args.mix, out))

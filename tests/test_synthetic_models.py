@@ -435,6 +435,16 @@ def test_synth_model_presets_have_the_published_sizes():
         assert count == PUBLISHED_PARAMETERS[name], name
 
 
+def test_synth_model_refuses_an_unknown_preset_writing_nothing(tmp_path: Path, capsys):
+    from kvpool.cli import main
+
+    args = ["bench", "synth-model", "--preset", "llama-9b", "--out", str(tmp_path)]
+    assert main(args) == 2
+    said = capsys.readouterr()
+    assert "unknown preset; choose from smollm2-135m, llama-3.2-1b" in said.err and not said.out
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q4_0", "Q8_0"])
 @pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-30b-a3b"])
 def test_synth_model_writes_a_qwen3_file_the_runtime_loads(tmp_path: Path, mix: str, preset):
