@@ -296,6 +296,28 @@ def test_quantized_weights_are_kept_once_in_their_blocks(tmp_path):
 
 
 @pytest.mark.skipif(_native() is None, reason="the native ops are not built here")
+@pytest.mark.parametrize(
+    "arch, mix", [("llama", "legacy"), ("llama", "k-quants"), ("qwen3moe", "k-quants")]
+)
+def test_matrices_packed_slice_by_slice_equal_those_packed_whole(tmp_path, monkeypatch, arch, mix):
+    """The loader packs a matrix a slice of 8-row groups at a time (the staging buffer's
+    bound): 8 rows a slice, 24 (a last slice shorter), or the whole matrix at once give
+    the same bytes, for every packed type and a stack of experts."""
+    import kvpool.model.gguf_weights as gguf_weights
+    from kvpool.model.native import kernel_variant
+
+    path = write_model(tmp_path / "m.gguf", arch, MIXES[mix])
+    loads = []
+    for limit in (1, 24 * 34, 1 << 40):  # 24 Q8_0 rows of 32 values
+        monkeypatch.setattr(gguf_weights, "STAGING_BYTES", limit)
+        loads.append(load_gguf_weights(path, quantized=True, pack_variant=kernel_variant())[1])
+    packed = [name for name, w in loads[2].items() if isinstance(w, QuantizedMatrix) and w.packed]
+    assert packed
+    for name in packed:
+        assert all(torch.equal(load[name].raw, loads[2][name].raw) for load in loads[:2]), name
+
+
+@pytest.mark.skipif(_native() is None, reason="the native ops are not built here")
 @pytest.mark.parametrize("packed", [False, True])
 def test_experts_are_views_of_their_stack(tmp_path: Path, packed: bool):
     """A stack of experts is held once, as the file's blocks (packed or not); the model's

@@ -36,6 +36,8 @@ KEPT_QUANTIZED = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
 _EMBEDDING = "token_embd.weight"
 # Threads that dequantize the tensors not kept in their blocks (at most the CPU count)
 DEQUANTIZE_THREADS = 8
+# The most bytes of a packed matrix read at once before packing (_pack_in_slices)
+STAGING_BYTES = 32 << 20
 
 
 PACKED = 0x100  # a type flag for the native ops: the tensor is in the packed layout
@@ -217,7 +219,10 @@ def load_gguf_weights(
                 size, packs = plan[info.name]
                 target = arena.take(size)
                 n = _matrix_rows(info)
-                if packs or heads:  # staged, then reordered and/or packed into the arena
+                if packs and not heads:  # packed slice by slice through the staging buffer
+                    staging = _pack_in_slices(file, info, n, staging, target)
+                    target = target.view(n // 8, -1)
+                elif packs or heads:  # staged whole, then reordered (and packed) into the arena
                     if staging.numel() < info.num_bytes:
                         staging = torch.empty(info.num_bytes, dtype=torch.uint8)
                     rows = _read_into(file, staging[: info.num_bytes], info).view(n, -1)
@@ -248,6 +253,29 @@ def _matrix_rows(info: GGUFTensorInfo) -> int:
     """Rows of a matrix, or of a stack of experts' matrices (ggml ``[cols, rows, experts]``)
     held as one: expert ``e``'s rows are ``e * rows .. (e + 1) * rows - 1``."""
     return math.prod(int(n) for n in info.shape[1:])
+
+
+def _pack_in_slices(
+    file, info: GGUFTensorInfo, rows: int, staging: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
+    """Reads a matrix's ``rows`` from ``file`` (at its data) and packs them into ``target``
+    a slice of 8-row groups at a time (each group packs alone), so that the staging buffer
+    holds at most ``STAGING_BYTES`` (or one group) instead of the whole matrix: the
+    largest, an embedding and head, is a few hundred MiB that the load's peak would hold
+    beside the arena. Returns the staging buffer, grown if it had to be."""
+    row_bytes = info.num_bytes // rows
+    step = max(8, STAGING_BYTES // row_bytes // 8 * 8)
+    group_bytes = target.numel() // (rows // 8)
+    if staging.numel() < min(rows, step) * row_bytes:
+        staging = torch.empty(min(rows, step) * row_bytes, dtype=torch.uint8)
+    for first in range(0, rows, step):
+        count = min(step, rows - first)
+        part = staging[: count * row_bytes]
+        if file.readinto(memoryview(part.numpy())) != part.numel():
+            raise UnsupportedModel(f"tensor {info.name}: the file ends inside its data")
+        into = target[first // 8 * group_bytes : (first + count) // 8 * group_bytes]
+        _native().quant_pack(part.view(count, row_bytes), info.ggml_type, into)
+    return staging
 
 
 def _read_into(file, buffer: torch.Tensor, info: GGUFTensorInfo) -> torch.Tensor:
