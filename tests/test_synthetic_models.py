@@ -301,14 +301,16 @@ def test_quantized_weights_are_kept_once_in_their_blocks(tmp_path):
 )
 def test_matrices_packed_slice_by_slice_equal_those_packed_whole(tmp_path, monkeypatch, arch, mix):
     """The loader packs a matrix a slice of 8-row groups at a time (the staging buffer's
-    bound): 8 rows a slice, 24 (a last slice shorter), or the whole matrix at once give
+    bound): 8 rows a slice, 24-88 (a last slice shorter), or the whole matrix at once give
     the same bytes, for every packed type and a stack of experts."""
     import kvpool.model.gguf_weights as gguf_weights
     from kvpool.model.native import kernel_variant
 
     path = write_model(tmp_path / "m.gguf", arch, MIXES[mix])
     loads = []
-    for limit in (1, 24 * 34, 1 << 40):  # 24 Q8_0 rows of 32 values
+    # 8 rows a slice; 24 to 88 (rows of 544 to 144 bytes here), never dividing these
+    # matrices' power-of-two rows: a shorter last slice; the whole matrix
+    for limit in (1, 24 * 544, 1 << 40):
         monkeypatch.setattr(gguf_weights, "STAGING_BYTES", limit)
         loads.append(load_gguf_weights(path, quantized=True, pack_variant=kernel_variant())[1])
     packed = [name for name, w in loads[2].items() if isinstance(w, QuantizedMatrix) and w.packed]

@@ -270,16 +270,15 @@ def _pack_in_slices(
         staging = torch.empty(min(rows, step) * row_bytes, dtype=torch.uint8)
     for first in range(0, rows, step):
         count = min(step, rows - first)
-        part = staging[: count * row_bytes]
-        if file.readinto(memoryview(part.numpy())) != part.numel():
-            raise UnsupportedModel(f"tensor {info.name}: the file ends inside its data")
+        part = _read_into(file, staging[: count * row_bytes], info)
         into = target[first // 8 * group_bytes : (first + count) // 8 * group_bytes]
         _native().quant_pack(part.view(count, row_bytes), info.ggml_type, into)
     return staging
 
 
 def _read_into(file, buffer: torch.Tensor, info: GGUFTensorInfo) -> torch.Tensor:
-    if file.readinto(memoryview(buffer.numpy())) != info.num_bytes:
+    """Fills ``buffer`` (all of ``info``'s data, or a slice of its rows) from ``file``."""
+    if file.readinto(memoryview(buffer.numpy())) != buffer.numel():
         raise UnsupportedModel(f"tensor {info.name}: the file ends inside its data")
     return buffer
 
