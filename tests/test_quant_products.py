@@ -241,21 +241,32 @@ def test_products_are_the_same_on_any_number_of_threads(rows, variant):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("rows", [1, 32, 1100])  # scratch buffers; then allocated ones
-@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("rows", [1, 32, 1100])  # 1100: several blocks of activation rows
+@pytest.mark.parametrize("mode", [0, 1, 2])
 def test_products_in_bf16_round_once_as_torch_does(rows, mode):
-    """``same_dtype``: a bf16 input's product comes back in bf16, the float32 sums rounded
-    once, bit for bit what ``.to(torch.bfloat16)`` of the float32 result gives, whether
-    the call used the per-thread scratch buffers (decode) or allocated (prefill); calls
-    of other sizes in between leave no trace."""
-    raw = blocks("Q4_0", 40, 256, seed=5)
-    x = torch.randn(rows, 256).to(torch.bfloat16)
-    want = ops.quant_matmul(x, [raw], [TYPES["Q4_0"][0]], mode).to(torch.bfloat16)
-    ops.quant_matmul(torch.randn(7, 256).to(torch.bfloat16), [raw], [2], mode, "", True)
-    got = ops.quant_matmul(x, [raw], [TYPES["Q4_0"][0]], mode, "", True)
+    """``same_dtype``: a bf16 input's product comes back in bf16, each float32 sum rounded
+    once, bit for bit what ``.to(torch.bfloat16)`` of the float32 result gives: each work
+    item's sums are rounded into the output as it ends (integer tiles of packed and
+    row-layout parts, float tiles, ``at::mm``'s, bf16 tiles), in a product of parts of
+    different formats; calls of other sizes in between leave no trace."""
+    specs = [("Q4_0", 40, True), ("Q6_K", 24, True), ("Q4_K", 16, False), ("Q8_0", 32, False)]
+    raws, tids = [], []
+    for i, (qtype, n, pack) in enumerate(specs):
+        raw, tid = blocks(qtype, n, 256, seed=5 + i), TYPES[qtype][0]
+        if pack and ops.quant_packs(tid, ""):
+            raw, tid = ops.quant_pack(raw, tid), tid | PACKED
+        raws.append(raw)
+        tids.append(tid)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    want = ops.quant_matmul(x, raws, tids, mode).to(torch.bfloat16)
+    ops.quant_matmul(torch.randn(7, 256).to(torch.bfloat16), raws, tids, mode, "", True)
+    got = ops.quant_matmul(x, raws, tids, mode, "", True)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
-    floats = ops.quant_matmul(x.float(), [raw], [TYPES["Q4_0"][0]], mode, "", True)
+    floats = ops.quant_matmul(x.float(), raws, tids, mode, "", True)
     assert floats.dtype == torch.float32  # a float32 input keeps float32
+    # bf16 activations are quantized from rows widened a few at a time (no float32 copy
+    # of x): the same blocks, so the same sums, as from the float32 input
+    assert torch.equal(ops.quant_matmul(x, raws, tids, mode), floats)
 
 
 def _extreme_blocks(qtype: str, n: int, k: int, rng) -> torch.Tensor:

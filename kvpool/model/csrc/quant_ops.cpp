@@ -4,10 +4,11 @@
 //
 // quant_matmul(x [M, K], parts, ...) computes x W^T for W the rows of every part stacked
 // (a fused QKV or gate/up of parts that may differ in format): float32 [M, sum of rows],
-// or in x's dtype with same_dtype (rounded once, at the end). A decode step makes a
-// hundred or more of these calls with a few KB each: the activations' float32 copy, their
-// int8 blocks and a bf16 product's float32 sums live in per-thread scratch buffers, not
-// in tensors allocated (and converted through the dispatcher) per call.
+// or in x's dtype with same_dtype (each sum rounded once, as .to() rounds). A decode step
+// makes a hundred or more of these calls with a few KB each: the activations' float32
+// copy, their int8 blocks and a bf16 product's float32 sums (a work item's at a time)
+// live in per-thread scratch buffers, not in tensors allocated (and converted through the
+// dispatcher) per call.
 //   mode 0: integer products where the kernels have them for a part's format
 //           (activations quantized to int8 per block of 32, as llama.cpp does);
 //   mode 1: float products: weights dequantized (in tiles, per thread) and multiplied
@@ -29,6 +30,7 @@
 #include <atomic>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "quant_blocks.h"
@@ -211,7 +213,7 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   const auto parts = check_parts(parts_in, types, k);
   const int64_t n_total = parts.back().offset + parts.back().rows;
   const QuantKernels* t = table(isa);
-  static thread_local std::vector<float> x_scratch, y_scratch, d_scratch;
+  static thread_local std::vector<float> x_scratch, d_scratch;
   static thread_local std::vector<int8_t> q_scratch;
   static thread_local std::vector<int32_t> o_scratch;
   const bool bf16_in = x_in.scalar_type() == at::kBFloat16;
@@ -220,30 +222,41 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   const auto x16 = bf16_tiles ? x_in.to(at::kBFloat16).contiguous() : at::Tensor();
   auto y = at::empty({m, n_total}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (m == 0) return y;
-  // The activations in float32: x itself, or its bf16 values widened into scratch.
-  const float* xp;
-  at::Tensor x_keep, y_keep, q_keep, d_keep, o_keep;
+  auto integer_for = [&](const Part& p) {
+    return mode == 0 && (p.packed ? t->has_packed_dot(p.type) : t->has_int_dot(p.type));
+  };
+  bool any_int = false, any_float = false, offsets = false;  // offsets: off4 / off6
+  for (const auto& p : parts) {
+    any_int |= integer_for(p);
+    any_float |= !integer_for(p);
+    offsets |= integer_for(p) && p.packed && t->sums_from_offsets(p.type);
+  }
+  // The activations in float32: x itself, or its bf16 values widened into scratch where
+  // a float product reads them (an integer product's quantizing widens a few rows at a
+  // time: a prefill step's [M, K] float32 copy, 16 MiB for 512 rows of K = 8192, is not
+  // made).
+  const float* xp = nullptr;
+  const at::BFloat16* x16p = nullptr;
+  at::Tensor x16_keep, x_keep, q_keep, d_keep, o_keep;
   if (bf16_in) {
-    const auto xc = x_in.contiguous();
-    float* dst = buffer_for(x_scratch, x_keep, m * k, at::kFloat);
-    convert(xc.data_ptr<at::BFloat16>(), dst, m * k);
-    xp = dst;
+    x16_keep = x_in.contiguous();
+    x16p = x16_keep.data_ptr<at::BFloat16>();
+    if (any_float) {
+      float* dst = buffer_for(x_scratch, x_keep, m * k, at::kFloat);
+      convert(x16p, dst, m * k);
+      xp = dst;
+      x16p = nullptr;
+    }
   } else {
     x_keep = x_in.contiguous();
     xp = x_keep.data_ptr<float>();
   }
-  // The float32 sums: y itself, or a buffer rounded into y at the end (as .to() rounds).
-  float* yp = bf16_out ? buffer_for(y_scratch, y_keep, m * n_total, at::kFloat)
-                       : y.data_ptr<float>();
-
-  auto integer_for = [&](const Part& p) {
-    return mode == 0 && (p.packed ? t->has_packed_dot(p.type) : t->has_int_dot(p.type));
-  };
-  bool any_int = false, offsets = false;  // offsets: off4 / off6 for the packed kernels
-  for (const auto& p : parts) {
-    any_int |= integer_for(p);
-    offsets |= integer_for(p) && p.packed && t->sums_from_offsets(p.type);
-  }
+  // The float32 sums go to y itself, or where y is bf16, each work item's to its thread's
+  // tile buffer, rounded into y as the item ends (as .to() rounds: the same bits as
+  // rounding all of y at the end, without a [M, N] float32 copy of it: 32 MiB for a
+  // 512-row step's gate/up product of 16384 rows).
+  float* yp = bf16_out ? nullptr : y.data_ptr<float>();
+  at::BFloat16* y16 = bf16_out ? y.data_ptr<at::BFloat16>() : nullptr;
   const int64_t ldq = kvp::q_row_stride(k);
   kvp::Q8Rows act{nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, k, ldq};
   if (any_int) {
@@ -255,11 +268,22 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
     int32_t* off6 = offsets ? off4 + m * (k / 32) : nullptr;
     const int64_t grain = std::max<int64_t>(1, kQuantizeValues / k);
     at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
-      t->quantize_rows(xp + begin * k, end - begin, k, q + begin * ldq, ldq, d + begin * (k / 32),
-                       ds + begin * (k / 32), dsh + begin * (k / 16));
-      if (offsets)
-        t->offsets_into_sums(q + begin * ldq, end - begin, k, ldq, off4 + begin * (k / 32),
-                             off6 + begin * (k / 16));
+      // bf16 activations without a float32 copy: widened grain rows at a time (rows are
+      // quantized independently, so any split gives the same blocks)
+      static thread_local std::vector<float> widened;
+      for (int64_t r = begin; r < end; r += grain) {
+        const int64_t n = std::min(grain, end - r);
+        const float* xr = xp ? xp + r * k : nullptr;
+        if (!xr) {
+          widened.resize(n * k);
+          for (int64_t i = 0; i < n * k; ++i) widened[i] = static_cast<float>(x16p[r * k + i]);
+          xr = widened.data();
+        }
+        t->quantize_rows(xr, n, k, q + r * ldq, ldq, d + r * (k / 32), ds + r * (k / 32),
+                         dsh + r * (k / 16));
+        if (offsets)
+          t->offsets_into_sums(q + r * ldq, n, k, ldq, off4 + r * (k / 32), off6 + r * (k / 16));
+      }
     });
     act = {q, d, ds, dsh, off4, off6, k, ldq};
   }
@@ -279,25 +303,44 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   const int64_t n_float = float_tasks.size(), n_int = int_tasks.size();
   const int64_t row_blocks = (m + kRowBlock - 1) / kRowBlock;
   const int64_t items = n_float + row_blocks * n_int;
-  auto run_item = [&](int64_t i, std::vector<float>& buffer) {
+  // Where an item's sums go: y's columns of it (row stride n_total), or for a bf16 y the
+  // thread's tile (row stride its columns), which round_tile then rounds into y.
+  auto target = [&](std::vector<float>& tile, int64_t row, int64_t col, int64_t rows,
+                    int64_t cols) -> std::pair<float*, int64_t> {
+    if (!bf16_out) return {yp + row * n_total + col, n_total};
+    tile.resize(rows * cols);
+    return {tile.data(), cols};
+  };
+  auto round_tile = [&](const std::vector<float>& tile, int64_t row, int64_t col, int64_t rows,
+                        int64_t cols) {
+    if (!bf16_out) return;
+    for (int64_t r = 0; r < rows; ++r) {
+      at::BFloat16* dst = y16 + (row + r) * n_total + col;
+      const float* src = tile.data() + r * cols;
+      for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<at::BFloat16>(src[c]);
+    }
+  };
+  auto run_item = [&](int64_t i, std::vector<float>& buffer, std::vector<float>& tile) {
     if (i < n_float) {
       const Task& task = float_tasks[i];
       const Part& p = parts[task.part];
       buffer.resize(task.rows * k);
       dequantize_part(t, p, task.row, task.rows, k, buffer.data());
-      float* out = yp + p.offset + task.row;
+      const int64_t col = p.offset + task.row;
+      const auto [out, ldo] = target(tile, 0, col, m, task.rows);
       if (bf16_tiles) {
         auto wt = at::from_blob(buffer.data(), {task.rows, k}, at::kFloat).to(at::kBFloat16);
-        auto yt = at::from_blob(out, {m, task.rows}, {n_total, 1}, at::kFloat);
+        auto yt = at::from_blob(out, {m, task.rows}, {ldo, 1}, at::kFloat);
         yt.copy_(at::mm(x16, wt.t()));
       } else if (m >= kGemmRows) {
         auto wt = at::from_blob(buffer.data(), {task.rows, k}, at::kFloat);
         auto xt = at::from_blob(const_cast<float*>(xp), {m, k}, at::kFloat);  // (no copy)
-        auto yt = at::from_blob(out, {m, task.rows}, {n_total, 1}, at::kFloat);
+        auto yt = at::from_blob(out, {m, task.rows}, {ldo, 1}, at::kFloat);
         at::mm_out(yt, xt, wt.t());
       } else {
-        t->float_dot(buffer.data(), k, task.rows, xp, m, k, out, n_total);
+        t->float_dot(buffer.data(), k, task.rows, xp, m, k, out, ldo);
       }
+      round_tile(tile, 0, col, m, task.rows);
       return;
     }
     const int64_t m0 = (i - n_float) / n_int * kRowBlock;
@@ -308,15 +351,17 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
                             act.off4 ? act.off4 + m0 * (k / 32) : nullptr,
                             act.off6 ? act.off6 + m0 * (k / 16) : nullptr, k, ldq};
     const Part& p = parts[task.part];
-    float* out = yp + m0 * n_total + p.offset + task.row;
+    const int64_t col = p.offset + task.row;
+    const auto [out, ldo] = target(tile, m0, col, mb, task.rows);
     if (p.packed) {
       const int64_t group_bytes = kvp::group_bytes(p.type, k);
       t->packed_dot(p.type, p.raw + task.row / kvp::kGroup * group_bytes, group_bytes,
-                    task.rows / kvp::kGroup, &block, mb, out, n_total);
+                    task.rows / kvp::kGroup, &block, mb, out, ldo);
     } else {
       t->int_dot(p.type, p.raw + task.row * p.row_bytes, p.row_bytes, task.rows, &block, mb, out,
-                 n_total);
+                 ldo);
     }
+    round_tile(tile, m0, col, mb, task.rows);
   };
   // Threads take runs of consecutive items from a shared counter until none are left,
   // not a fixed share each: a thread slowed by anything else on its core (a busy
@@ -331,9 +376,10 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> buffer;
+    // an item's sums for a bf16 y: 8 KiB for an integer item, M x 64 floats for a float one
+    static thread_local std::vector<float> tile;
     for (int64_t begin; (begin = next.fetch_add(run)) < items;)
-      for (int64_t i = begin; i < std::min(items, begin + run); ++i) run_item(i, buffer);
+      for (int64_t i = begin; i < std::min(items, begin + run); ++i) run_item(i, buffer, tile);
   });
-  if (bf16_out) convert(yp, y.data_ptr<at::BFloat16>(), m * n_total);
   return y;
 }
