@@ -121,3 +121,37 @@ def test_the_native_ops_build_where_a_compiler_is():
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler here")
     assert native_ops() is not None, "the native ops did not build: see the warning"
+
+
+def _timings(*values: float):
+    """A probe returning these times in turn, counting its calls."""
+    it = iter(values)
+
+    def probe() -> float:
+        probe.calls += 1  # type: ignore[attr-defined]
+        return next(it)
+
+    probe.calls = 0  # type: ignore[attr-defined]
+    return probe
+
+
+def test_the_dtype_measure_leaves_a_slow_phase_out():
+    """One slow phase (a VM's: a probe's steps 1.4x as slow for a moment) does not decide
+    the dtype: a single round at 1.4x goes on, and the fastest of the rounds wins; a
+    CPU where bf16 is 3x slower (no bf16 products) is clear after one round; a close
+    pair runs every round."""
+    from kvpool.model.loader import BF16_MARGIN, DTYPE_ROUNDS, fastest_of_rounds
+
+    bf16, fp32 = _timings(1.4, 1.0, 1.0), _timings(1.0, 1.05, 1.05)
+    times = fastest_of_rounds({"bf16": bf16, "fp32": fp32})
+    assert times == {"bf16": 1.0, "fp32": 1.0}
+    assert not times["fp32"] < times["bf16"] / BF16_MARGIN  # bf16 kept
+    assert bf16.calls == fp32.calls >= 2
+
+    bf16, fp32 = _timings(3.0), _timings(1.0)
+    assert fastest_of_rounds({"bf16": bf16, "fp32": fp32}) == {"bf16": 3.0, "fp32": 1.0}
+    assert bf16.calls == fp32.calls == 1
+
+    bf16, fp32 = _timings(1.0, 1.0, 1.0), _timings(1.05, 1.04, 1.06)
+    assert fastest_of_rounds({"bf16": bf16, "fp32": fp32}) == {"bf16": 1.0, "fp32": 1.04}
+    assert bf16.calls == fp32.calls == DTYPE_ROUNDS[1]

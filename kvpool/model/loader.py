@@ -2,7 +2,8 @@
 
 The device is CUDA when torch has it, else the CPU. On the CPU with the native ops the
 default compute dtype is measured at load (a few decode steps under bfloat16 and under
-float32; bfloat16 unless float32 is clearly faster, since it also halves the KV);
+float32, in alternating rounds; bfloat16 unless float32 is clearly faster, since it also
+halves the KV);
 ``float32`` gives exact comparisons.
 """
 
@@ -12,8 +13,10 @@ import ctypes
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -32,6 +35,10 @@ from kvpool.progress import Progress
 # dtype=None keeps bfloat16 (half the KV bytes per token) unless float32 decodes faster
 # by more than this factor.
 BF16_MARGIN = 1.1
+# The measuring's rounds (fastest_of_rounds): at least 2, at most 3, ending early once
+# one dtype is 1.25x the other's time (after one round only at 2x).
+DTYPE_ROUNDS = (2, 3)
+DTYPE_CLEAR, DTYPE_CLEAR_AT_ONCE = 1.25, 2.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -158,6 +165,26 @@ def _probe_decode_seconds(model: LlamaModel, context: int = 8) -> float:
     return min(times[1:])  # the first step after a prefill pays its thread policy's trial
 
 
+def fastest_of_rounds(probes: dict[Any, Callable[[], float]]) -> dict[Any, float]:
+    """Each probe's fastest time over alternating rounds (all probes once a round): at
+    least ``DTYPE_ROUNDS[0]`` rounds, at most ``DTYPE_ROUNDS[1]``, ending once one probe is
+    ``DTYPE_CLEAR`` times another's; after a single round only at ``DTYPE_CLEAR_AT_ONCE``
+    (bf16 compute on a CPU without bf16 products: 2-3x). A VM's slow phase can make one
+    probe's steps 1.3-2x as slow for a second: a single round of each stopped at 1.25x
+    chose float32 on an AVX-512 BF16 CPU in such a phase (Zen 4: 330 MiB more at peak,
+    12% slower prefill); the fastest of two rounds alternating leaves such a phase out
+    unless it lasts through both."""
+    times = {name: float("inf") for name in probes}
+    least, most = DTYPE_ROUNDS
+    for round_ in range(most):
+        for name, probe in probes.items():
+            times[name] = min(times[name], probe())
+        ratio = max(times.values()) / min(times.values())
+        if ratio > DTYPE_CLEAR_AT_ONCE or (round_ + 1 >= least and ratio > DTYPE_CLEAR):
+            break
+    return times
+
+
 def _choose_crossover(products: ProductPolicy, model: LlamaModel, dtype: torch.dtype) -> None:
     """Where int8 products hand over to dequantized tiles (bf16 tiles where the CPU has
     bf16 products in hardware and the model computes in bf16): measured on one of the
@@ -229,12 +256,9 @@ def load_model(
         for candidate in (torch.bfloat16, torch.float32):
             policy = ProductPolicy(variant=kernel_variant(), fixed=batch_invariant)
             candidates[candidate] = LlamaModel(config, dict(weights), dev, candidate, policy)
-        times = {c: float("inf") for c in candidates}
-        for round_ in range(2):  # alternating: the first runs warm the caches and threads
-            for candidate, probe in candidates.items():
-                times[candidate] = min(times[candidate], _probe_decode_seconds(probe))
-            if round_ == 0 and max(times.values()) > 1.25 * min(times.values()):
-                break  # clear already: no second round (an 8B step takes ~0.15 s)
+        times = fastest_of_rounds(
+            {c: (lambda m=m: _probe_decode_seconds(m)) for c, m in candidates.items()}
+        )
         # bf16 unless float32 is clearly faster: bf16 also halves the KV per token
         fast = times[torch.float32] < times[torch.bfloat16] / BF16_MARGIN
         torch_dtype = torch.float32 if fast else torch.bfloat16
