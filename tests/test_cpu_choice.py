@@ -135,23 +135,27 @@ def _timings(*values: float):
     return probe
 
 
-def test_the_dtype_measure_leaves_a_slow_phase_out():
-    """One slow phase (a VM's: a probe's steps 1.4x as slow for a moment) does not decide
-    the dtype: a single round at 1.4x goes on, and the fastest of the rounds wins; a
-    CPU where bf16 is 3x slower (no bf16 products) is clear after one round; a close
-    pair runs every round."""
-    from kvpool.model.loader import BF16_MARGIN, DTYPE_ROUNDS, fastest_of_rounds
+def test_the_dtype_measure_meets_each_phase_alike():
+    """The dtype is decided by decode steps alternating one by one, each dtype's median
+    (the first round uncounted): a fast moment that falls on one dtype's step, or a
+    slow one, does not decide it; a CPU where bf16 is 3x slower (no bf16 products) is
+    clear after a few rounds; a close pair runs every round."""
+    from kvpool.model.loader import (
+        BF16_MARGIN,
+        DTYPE_CLEAR_AFTER,
+        DTYPE_ROUNDS,
+        median_of_alternating,
+    )
 
-    bf16, fp32 = _timings(1.4, 1.0, 1.0), _timings(1.0, 1.05, 1.05)
-    times = fastest_of_rounds({"bf16": bf16, "fp32": fp32})
-    assert times == {"bf16": 1.0, "fp32": 1.0}
+    n = DTYPE_ROUNDS + 1
+    # bf16 1.0 a step, float32 1.03; float32 hits two fast moments (0.8), bf16 a slow one
+    bf16 = _timings(*([5.0, 1.0, 1.5] + [1.0] * n))
+    fp32 = _timings(*([5.0, 0.8, 0.8] + [1.03] * n))
+    times = median_of_alternating({"bf16": bf16, "fp32": fp32})
+    assert times == {"bf16": 1.0, "fp32": 1.03}
     assert not times["fp32"] < times["bf16"] / BF16_MARGIN  # bf16 kept
-    assert bf16.calls == fp32.calls >= 2
+    assert bf16.calls == fp32.calls == n  # close: every round
 
-    bf16, fp32 = _timings(3.0), _timings(1.0)
-    assert fastest_of_rounds({"bf16": bf16, "fp32": fp32}) == {"bf16": 3.0, "fp32": 1.0}
-    assert bf16.calls == fp32.calls == 1
-
-    bf16, fp32 = _timings(1.0, 1.0, 1.0), _timings(1.05, 1.04, 1.06)
-    assert fastest_of_rounds({"bf16": bf16, "fp32": fp32}) == {"bf16": 1.0, "fp32": 1.04}
-    assert bf16.calls == fp32.calls == DTYPE_ROUNDS[1]
+    bf16, fp32 = _timings(*[3.0] * n), _timings(*[1.0] * n)
+    assert median_of_alternating({"bf16": bf16, "fp32": fp32}) == {"bf16": 3.0, "fp32": 1.0}
+    assert bf16.calls == fp32.calls == DTYPE_CLEAR_AFTER + 1

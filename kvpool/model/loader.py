@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -35,10 +36,9 @@ from kvpool.progress import Progress
 # dtype=None keeps bfloat16 (half the KV bytes per token) unless float32 decodes faster
 # by more than this factor.
 BF16_MARGIN = 1.1
-# The measuring's rounds (fastest_of_rounds): at least 2, at most 3, ending early once
-# one dtype is 1.25x the other's time (after one round only at 2x).
-DTYPE_ROUNDS = (2, 3)
-DTYPE_CLEAR, DTYPE_CLEAR_AT_ONCE = 1.25, 2.0
+# The measuring (median_of_alternating): at most 9 rounds of one decode step per dtype,
+# ending after 3 once one dtype's median step is 1.5x the other's.
+DTYPE_ROUNDS, DTYPE_CLEAR_AFTER, DTYPE_CLEAR = 9, 3, 1.5
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -147,42 +147,53 @@ def _release_heap_memory() -> None:
     trim(0)
 
 
-def _probe_decode_seconds(model: LlamaModel, context: int = 8) -> float:
-    """The fastest of a few batch-1 decode steps of ``model`` (after a short prefill):
-    what compute dtype to serve in is decided by it."""
+def _decode_stepper(model: LlamaModel, steps: int, context: int = 8) -> Callable[[], float]:
+    """A timed batch-1 decode step of ``model`` per call (one sequence after a short
+    prefill, one position further each call, ``steps`` calls at most): what compute dtype
+    to serve in is decided by them."""
     from kvpool.model.runner import ModelRunner, SeqChunk
 
-    blocks = -(-(context + 8) // 16)
+    blocks = -(-(context + steps) // 16)
     runner = ModelRunner(model, blocks, 16, threads=None)
     table = list(range(blocks))  # one sequence, its blocks in order
     prompt = [(7 * i + 3) % model.vocab_rows for i in range(context)]
     runner.forward([SeqChunk(prompt, 0, table)])
-    times = []
-    for step in range(4):
+    position = context
+
+    def step() -> float:
+        nonlocal position
         begin = time.perf_counter()
-        runner.forward([SeqChunk([prompt[step]], context + step, table)])
-        times.append(time.perf_counter() - begin)
-    return min(times[1:])  # the first step after a prefill pays its thread policy's trial
+        runner.forward([SeqChunk([prompt[position % context]], position, table)])
+        position += 1
+        return time.perf_counter() - begin
+
+    return step
 
 
-def fastest_of_rounds(probes: dict[Any, Callable[[], float]]) -> dict[Any, float]:
-    """Each probe's fastest time over alternating rounds (all probes once a round): at
-    least ``DTYPE_ROUNDS[0]`` rounds, at most ``DTYPE_ROUNDS[1]``, ending once one probe is
-    ``DTYPE_CLEAR`` times another's; after a single round only at ``DTYPE_CLEAR_AT_ONCE``
-    (bf16 compute on a CPU without bf16 products: 2-3x). A VM's slow phase can make one
-    probe's steps 1.3-2x as slow for a second: a single round of each stopped at 1.25x
-    chose float32 on an AVX-512 BF16 CPU in such a phase (Zen 4: 330 MiB more at peak,
-    12% slower prefill); the fastest of two rounds alternating leaves such a phase out
-    unless it lasts through both."""
-    times = {name: float("inf") for name in probes}
-    least, most = DTYPE_ROUNDS
-    for round_ in range(most):
-        for name, probe in probes.items():
-            times[name] = min(times[name], probe())
-        ratio = max(times.values()) / min(times.values())
-        if ratio > DTYPE_CLEAR_AT_ONCE or (round_ + 1 >= least and ratio > DTYPE_CLEAR):
+def median_of_alternating(steps: dict[Any, Callable[[], float]]) -> dict[Any, float]:
+    """Each candidate's median step time, the candidates' steps alternating one by one
+    (a round: one step of each; the first round is not counted: it pays the first
+    step's one-off costs). ``DTYPE_ROUNDS`` rounds at most; after ``DTYPE_CLEAR_AFTER``
+    counted rounds, ending once one median is ``DTYPE_CLEAR`` times another's (bf16
+    compute on a CPU without bf16 products: 2-3x).
+
+    A VM's phases make every step 1.2-2x as slow or as fast for a second or more: runs
+    of steps per candidate, even alternating, let a fast moment fall on one candidate's
+    run (the fastest of a few such runs chose float32 at 18.0 against 22.0 ms a step on
+    an AVX-512 BF16 CPU, Zen 4, where the two decode within 5% of each other, and
+    float32 then cost 330 MiB at peak and 12% of prefill). Steps alternating one by one
+    meet each phase alike, and the median leaves out the moments a phase turns."""
+    for step in steps.values():
+        step()  # (uncounted)
+    times: dict[Any, list[float]] = {name: [] for name in steps}
+    for round_ in range(DTYPE_ROUNDS):
+        for name, step in steps.items():
+            times[name].append(step())
+        medians = {name: statistics.median(ts) for name, ts in times.items()}
+        ratio = max(medians.values()) / min(medians.values())
+        if round_ + 1 >= DTYPE_CLEAR_AFTER and ratio > DTYPE_CLEAR:
             break
-    return times
+    return medians
 
 
 def _choose_crossover(products: ProductPolicy, model: LlamaModel, dtype: torch.dtype) -> None:
@@ -256,8 +267,8 @@ def load_model(
         for candidate in (torch.bfloat16, torch.float32):
             policy = ProductPolicy(variant=kernel_variant(), fixed=batch_invariant)
             candidates[candidate] = LlamaModel(config, dict(weights), dev, candidate, policy)
-        times = fastest_of_rounds(
-            {c: (lambda m=m: _probe_decode_seconds(m)) for c, m in candidates.items()}
+        times = median_of_alternating(
+            {c: _decode_stepper(m, DTYPE_ROUNDS + 1) for c, m in candidates.items()}
         )
         # bf16 unless float32 is clearly faster: bf16 also halves the KV per token
         fast = times[torch.float32] < times[torch.bfloat16] / BF16_MARGIN
