@@ -140,6 +140,21 @@ PACKABLE = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 PACKED = 0x100
 
 
+def mixed_parts(
+    specs: list[tuple[str, int, bool]], k: int, seed: int, variant: str = ""
+) -> tuple[list[torch.Tensor], list[int]]:
+    """One product's parts, each spec (format, rows, packed?) random blocks of K = ``k``
+    (seeds from ``seed`` on), packed where asked and the variant packs that format."""
+    raws, tids = [], []
+    for i, (qtype, n, pack) in enumerate(specs):
+        raw, tid = blocks(qtype, n, k, seed=seed + i), TYPES[qtype][0]
+        if pack and ops.quant_packs(tid, variant):
+            raw, tid = ops.quant_pack(raw, tid), tid | PACKED
+        raws.append(raw)
+        tids.append(tid)
+    return raws, tids
+
+
 def test_the_exact_path_keeps_the_files_layout_and_the_fast_path_packs():
     """float32 asked for (the exact reference: float products only) keeps every matrix
     in the file's layout, which the vector kernels dequantize (packed rows dequantize one
@@ -220,13 +235,7 @@ def test_products_are_the_same_on_any_number_of_threads(rows, variant):
     threads (more threads than this machine's cores included), for integer, float and
     bf16-tile products of packed and row-layout parts of different formats in one call."""
     specs = [("Q4_0", 72, True), ("Q6_K", 40, True), ("Q4_K", 24, False), ("Q8_0", 48, True)]
-    raws, tids = [], []
-    for i, (qtype, n, pack) in enumerate(specs):
-        raw, tid = blocks(qtype, n, 512, seed=10 + i), TYPES[qtype][0]
-        if pack and ops.quant_packs(tid, variant):
-            raw, tid = ops.quant_pack(raw, tid), tid | PACKED
-        raws.append(raw)
-        tids.append(tid)
+    raws, tids = mixed_parts(specs, 512, 10, variant)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     threads = torch.get_num_threads()
     try:
@@ -250,13 +259,7 @@ def test_products_in_bf16_round_once_as_torch_does(rows, mode):
     row-layout parts, float tiles, ``at::mm``'s, bf16 tiles), in a product of parts of
     different formats; calls of other sizes in between leave no trace."""
     specs = [("Q4_0", 40, True), ("Q6_K", 24, True), ("Q4_K", 16, False), ("Q8_0", 32, False)]
-    raws, tids = [], []
-    for i, (qtype, n, pack) in enumerate(specs):
-        raw, tid = blocks(qtype, n, 256, seed=5 + i), TYPES[qtype][0]
-        if pack and ops.quant_packs(tid, ""):
-            raw, tid = ops.quant_pack(raw, tid), tid | PACKED
-        raws.append(raw)
-        tids.append(tid)
+    raws, tids = mixed_parts(specs, 256, 5)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     want = ops.quant_matmul(x, raws, tids, mode).to(torch.bfloat16)
     ops.quant_matmul(torch.randn(7, 256).to(torch.bfloat16), raws, tids, mode, "", True)

@@ -227,9 +227,10 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   };
   bool any_int = false, any_float = false, offsets = false;  // offsets: off4 / off6
   for (const auto& p : parts) {
-    any_int |= integer_for(p);
-    any_float |= !integer_for(p);
-    offsets |= integer_for(p) && p.packed && t->sums_from_offsets(p.type);
+    const bool integer = integer_for(p);
+    any_int |= integer;
+    any_float |= !integer;
+    offsets |= integer && p.packed && t->sums_from_offsets(p.type);
   }
   // The activations in float32: x itself, or its bf16 values widened into scratch where
   // a float product reads them (an integer product's quantizing widens a few rows at a
