@@ -79,6 +79,22 @@ def test_int8_products_are_row_invariant_and_equal_across_variants(qtype, varian
     assert torch.equal(batch, ops.quant_matmul(x, [raw], [tid], 0, INT8_VARIANTS[-1]))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_mode_is_row_invariant_without_integer_kernels(qtype, dtype):
+    """The generic variant (a CPU without AVX2: aarch64) has no integer kernels, and its
+    int8 mode multiplies dequantized tiles in floats; it keeps the mode's promise all
+    the same (a row's result whatever the batch: what --batch-invariant rests on), here
+    with 37 rows, where a float product's GEMM would sum in another order than 1 row's."""
+    tid = TYPES[qtype][0]
+    raw = blocks(qtype, 80, 768)
+    x = torch.randn(37, 768, generator=torch.Generator().manual_seed(2)).to(dtype)
+    batch = ops.quant_matmul(x, [raw], [tid], 0, "generic", True)
+    for i in (0, 5, 16, 36):
+        alone = ops.quant_matmul(x[i : i + 1], [raw], [tid], 0, "generic", True)
+        assert torch.equal(alone[0], batch[i]), i
+
+
 def test_fused_parts_of_different_formats_equal_separate_products():
     parts = [("Q4_K", 40), ("Q6_K", 8), ("Q8_0", 16)]
     raws = [blocks(q, n, 512, seed=i) for i, (q, n) in enumerate(parts)]

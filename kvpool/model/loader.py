@@ -279,7 +279,7 @@ def load_model(
         choice = (
             f"{torch_dtype}: measured {times[torch_dtype] * 1e3:.1f} ms a batch-1 decode "
             f"step vs {times[other] * 1e3:.1f} ms in {other} ({cpu_features().summary()}; "
-            "both with int8 products)"
+            f"both with {'int8' if kernel_variant() != 'generic' else 'the same'} products)"
         )
     else:
         products = ProductPolicy(exact=exact, variant=kernel_variant(), fixed=batch_invariant)

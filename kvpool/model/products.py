@@ -6,6 +6,9 @@ Two kinds of product (``native.quant_matmul``):
 - ``int8``: activations quantized to int8 per block of 32, integer dot products with the
   unpacked weight blocks, llama.cpp's method. Every output element is one row's dot
   product in a fixed order, so a row's result does not depend on the rest of the batch.
+  Where the kernels have no integer products (the generic variant: a CPU without
+  AVX2), the mode multiplies dequantized tiles one row at a time instead, which keeps
+  that property.
 - ``float``: weights dequantized tile by tile (per thread, never a whole matrix) and
   multiplied with float32 activations: what dequantizing the file gives, up to the
   order of the sums. The reference; exact comparisons (tests at float32) use it.
@@ -52,19 +55,24 @@ class ProductPolicy:
     def describe(self) -> str:
         ops = native_ops()
         variant = self.variant or (ops.kernel_variants()[0] if ops is not None else "none")
+        # the generic variant has no integer kernels: its int8 mode multiplies
+        # dequantized tiles row by row (quant_matmul), which keeps int8's row invariance
+        integer = variant != "generic"
         if self.exact:
+            faster = "; without --dtype, int8 products: several times faster" if integer else ""
             return (
                 f"float products from dequantized tiles, the exact reference ({variant} "
-                "kernels; without --dtype, int8 products: several times faster)"
+                f"kernels{faster})"
             )
+        small = "int8 products" if integer else "float products row by row"
+        kernels = f"{variant} kernels" + ("" if integer else ": none for int8 here")
         if self.int8_max_rows is None:
             why = ", batch-invariant" if self.fixed else ""
-            return f"int8 products at every step size{why} ({variant} kernels)"
+            return f"{small} at every step size{why} ({kernels})"
         tiles = "bf16" if self.tiles == BF16_TILES else "float32"
-        return (
-            f"int8 products up to {self.int8_max_rows} rows, {tiles} tiles above "
-            f"({variant} kernels)"
-        )
+        if self.int8_max_rows == 0:
+            return f"{tiles} tiles at every step size ({kernels})"
+        return f"{small} up to {self.int8_max_rows} rows, {tiles} tiles above ({kernels})"
 
 
 class QuantLinear:

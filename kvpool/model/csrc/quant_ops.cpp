@@ -333,7 +333,10 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
         auto wt = at::from_blob(buffer.data(), {task.rows, k}, at::kFloat).to(at::kBFloat16);
         auto yt = at::from_blob(out, {m, task.rows}, {ldo, 1}, at::kFloat);
         yt.copy_(at::mm(x16, wt.t()));
-      } else if (m >= kGemmRows) {
+      } else if (m >= kGemmRows && mode != 0) {
+        // (not in int8 mode: it promises each row's result whatever the batch, and a part
+        // without integer kernels, as all of the generic variant's, keeps that promise
+        // with float_dot, whose order of sums is the same at every M; at::mm's is not)
         auto wt = at::from_blob(buffer.data(), {task.rows, k}, at::kFloat);
         auto xt = at::from_blob(const_cast<float*>(xp), {m, k}, at::kFloat);  // (no copy)
         auto yt = at::from_blob(out, {m, task.rows}, {ldo, 1}, at::kFloat);
