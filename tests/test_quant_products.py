@@ -190,7 +190,8 @@ def test_the_exact_path_keeps_the_files_layout_and_the_fast_path_packs():
     assert not any(t & PACKED for t in types(exact))
     fast = load_model(None, dtype=None, progress=False)
     packs = [ops.quant_packs(t & ~PACKED, fast.model.products.variant) for t in types(fast)]
-    assert [bool(t & PACKED) for t in types(fast)] == packs and any(packs)
+    assert [bool(t & PACKED) for t in types(fast)] == packs
+    assert any(packs) == (fast.model.products.variant != "generic")  # generic: none packs
 
 
 @pytest.mark.parametrize("qtype", PACKABLE)
