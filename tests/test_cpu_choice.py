@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -130,6 +131,36 @@ def test_the_native_ops_build_where_a_compiler_is():
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler here")
     assert native_ops() is not None, "the native ops did not build: see the warning"
+
+
+def test_without_native_kernels_the_load_says_why_and_what_to_do(tmp_path):
+    """A machine without a C++ compiler (a slim container) cannot build the native ops:
+    the load still serves, on torch's path, and says so in a few lines, not the build's
+    log of commands: the failing line, where the whole log is, what it costs (weights
+    dequantized) and what to install; the compute line names the reason too."""
+    code = (
+        "from kvpool.model.loader import load_model\n"
+        "print(load_model(None, progress=False).compute_line())\n"
+    )
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-c++"), TORCH_EXTENSIONS_DIR=str(tmp_path))
+    env.pop("KVPOOL_NATIVE", None)
+    env.pop("KVPOOL_EMULATE_AVX512", None)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    (warning,) = [line for line in out.stderr.splitlines() if "did not build" in line]
+    assert "no-such-c++" in warning and "not found" in warning and "g++" in warning
+    assert "dequantized at load" in warning and len(warning) < 800
+    log = warning.split("the whole log: ")[1].split(")")[0]
+    assert "no-such-c++" in Path(log).read_text()  # the build's whole message, kept
+    line = out.stdout.strip().splitlines()[-1]
+    assert "no native kernels (their build failed:" in line and "dequantized" in line
+
+    env["KVPOOL_NATIVE"] = "0"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert "disabled by KVPOOL_NATIVE=0" in out.stdout and "did not build" not in out.stderr
 
 
 def _timings(*values: float):

@@ -26,7 +26,7 @@ from kvpool.model.config import ModelConfig
 from kvpool.model.cpu import cpu_features
 from kvpool.model.gguf_weights import load_gguf_weights
 from kvpool.model.llama import LlamaModel, can_prepack
-from kvpool.model.native import kernel_variant, native_ops
+from kvpool.model.native import kernel_variant, native_ops, unavailable_reason
 from kvpool.model.products import BF16_TILES, FLOAT, ProductPolicy, QuantLinear, calibrate
 from kvpool.model.runner import ModelRunner
 from kvpool.model.tokenizer import Tokenizer
@@ -106,6 +106,11 @@ class LoadedModel:
             line += f" on {device} ({torch.cuda.get_device_name(device)})"
         if isinstance(self.model.layers[0].o, QuantLinear):
             line += f"; weights kept quantized, {self.model.products.describe()}"
+        elif device.type == "cpu" and unavailable_reason() is not None:
+            line += (
+                f"; torch's path, quantized weights dequantized at load: no native kernels "
+                f"({unavailable_reason()})"
+            )
         return line
 
     def describe(self, runner: ModelRunner | None = None) -> str:

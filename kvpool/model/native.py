@@ -106,11 +106,50 @@ def _staged_sources(build_dir: Path | None) -> list[Path]:
     return staged[: len(_SOURCES)]
 
 
+# Why native_ops() returned None (one line), once it has.
+_unavailable: list[str] = []
+
+
+def unavailable_reason() -> str | None:
+    """Why this process runs without the native ops (one line), or None where it has
+    them or has not tried yet."""
+    return _unavailable[0] if _unavailable else None
+
+
+def _short_reason(exc: Exception) -> str:
+    """The line of a failed build that says what went wrong (a compiler's first error, a
+    missing program), not the build's whole log of commands."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for marker in ("not found", "error:", "Error", "No such file"):
+        for line in lines:
+            if marker in line and not line.startswith(("[", "FAILED:")) and len(line) < 400:
+                return line
+    return (lines[0] if lines else type(exc).__name__)[:300]
+
+
+def _build_log(build_dir: Path | None, text: str) -> Path | None:
+    """The failed build's whole message, kept beside its build (or None)."""
+    if build_dir is None:
+        return None
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        path = build_dir / "build-error.log"
+        path.write_text(text)
+        return path
+    except OSError:
+        return None
+
+
 @functools.cache
 def native_ops() -> ModuleType | None:
-    """The module of native ops, or None where it is disabled or cannot be built."""
+    """The module of native ops, or None where it is disabled or cannot be built
+    (``unavailable_reason`` then says why; a failed build warns once, in a few lines:
+    its reason, where its log is, and what to install)."""
+    _unavailable.clear()  # (a test may clear the cache and try again)
     if os.environ.get("KVPOOL_NATIVE", "1") == "0":
+        _unavailable.append("disabled by KVPOOL_NATIVE=0")
         return None
+    build_dir = None
     try:
         import torch
         from torch.utils.cpp_extension import load
@@ -133,7 +172,18 @@ def native_ops() -> ModuleType | None:
             extra_ldflags=["-fopenmp"], verbose=False,
         )  # fmt: skip
     except Exception as exc:  # no compiler, no headers, an unsupported platform
-        warnings.warn(f"native ops unavailable, using the torch path: {exc}", stacklevel=2)
+        reason = _short_reason(exc)
+        _unavailable.append(f"their build failed: {reason}")
+        log = _build_log(build_dir, str(exc))
+        where = f"; the whole log: {log}" if log else ""
+        advice = (
+            "Without them quantized weights are dequantized at load (2-4 times the "
+            "memory) and every step runs on torch's slower path. Install a C++ compiler "
+            "with OpenMP (g++) and start again: the build runs once."
+        )
+        warnings.warn(
+            f"kvpool's native kernels did not build ({reason}{where}). {advice}", stacklevel=2
+        )
         return None
 
 
