@@ -1,8 +1,9 @@
 """The runtime on a CUDA device: every test here skips where torch sees none (CI has none;
 they run where a session is lent a GPU).
 
-On a GPU the weights are dequantized to the compute dtype at load (the quantized products
-are CPU kernels) and attention is the torch path. These tests hold that path to the CPU's
+On a GPU the 4-bit matrices stay 4-bit in torch's int4 kernels in bf16, the others are
+dequantized to the compute dtype at load (kvpool's quantized products are CPU kernels),
+and attention is the torch path. These tests hold that path to the CPU's
 references: transformers on the same files (float32, TF32 off), bfloat16 near float32,
 the engine's batching, prefix hits, preemption, copy-on-write and its host-memory KV tier
 changing no output and leaking no block, and ``kvpool serve`` answering over HTTP with
@@ -93,6 +94,35 @@ def test_load_model_dequantizes_every_weight_onto_the_gpu(tmp_path: Path):
     config, weights = load_gguf_weights(path, quantized=False)
     on_cpu = _logits(LlamaModel(config, weights, torch.device("cpu"), torch.float32), prompt)
     assert (_logits(model, prompt).cpu() - on_cpu).abs().max().item() < 1e-3
+
+
+def test_four_bit_matrices_stay_four_bit_on_the_gpu(tmp_path: Path):
+    """``load_model`` on a GPU in bf16 (its default): the 4-bit matrices in torch's int4
+    kernels (Ampere and later have them), the rest dense; its logits as near the CPU's
+    float32 reference as the same model's with every matrix dequantized to bf16, and its
+    weights on the GPU fewer bytes than those."""
+    from kvpool.model.int4_products import Int4Linear, int4_unavailable
+    from kvpool.model.loader import load_model
+    from tests.test_int4_products import FOUR_BIT_MIX, logits
+
+    if torch.cuda.get_device_capability(CUDA) >= (8, 0):
+        assert int4_unavailable(CUDA) is None
+    elif int4_unavailable(CUDA) is not None:
+        pytest.skip(f"no int4 kernels on this GPU: {int4_unavailable(CUDA)}")
+    path = write_model(tmp_path / "four-bit.gguf", "llama", FOUR_BIT_MIX, seed=4)
+    loaded = load_model(str(path), progress=False)
+    four = loaded.model
+    assert four.dtype == torch.bfloat16 and isinstance(four.layers[0].gate_up, Int4Linear)
+    assert four.layers[0].gate_up.packed.device.type == "cuda"
+    assert "torch's int4 kernels" in loaded.compute_line()
+    dense = _cuda_model(path, torch.bfloat16)
+    config, weights = load_gguf_weights(path, quantized=False)
+    reference = logits(LlamaModel(config, weights, torch.device("cpu"), torch.float32))
+    int4_error = (logits(four) - reference).abs().max()
+    bf16_error = (logits(dense) - reference).abs().max()
+    assert int4_error <= 1.5 * bf16_error, (int4_error, bf16_error)
+    gate_up = dense.layers[0].gate_up.weight
+    assert four.layers[0].gate_up.nbytes() < 0.35 * gate_up.numel() * gate_up.element_size()
 
 
 def test_device_chooses_where_a_gpu_machines_model_computes(tmp_path: Path):

@@ -175,9 +175,11 @@ def load_gguf_weights(
     quantized: bool = False,
     pack_variant: str | None = None,
     device: torch.device | None = None,
+    kept_types: frozenset[int] = KEPT_QUANTIZED,
 ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantizedMatrix]]:
     """Config and every tensor of the file, by GGUF name: dequantized to ``dtype``, or,
-    with ``quantized``, each quantized matrix as a ``QuantizedMatrix`` of its blocks,
+    with ``quantized``, each matrix of ``kept_types`` (the native kernels' by default;
+    the 4-bit ones for torch's int4 kernels) as a ``QuantizedMatrix`` of its blocks,
     packed already where ``pack_variant``'s kernels multiply the packed layout. Kept
     blocks live in one anonymous mapping backed by huge pages where the OS gives them:
     a decode step streams every weight, and 2 MiB pages take 512x fewer TLB entries and
@@ -192,7 +194,7 @@ def load_gguf_weights(
     header = header or read_gguf_header(path)
     config = ModelConfig.from_gguf(header)
     weights: dict[str, torch.Tensor | QuantizedMatrix] = {}
-    plan = _plan(header, config, pack_variant) if quantized else {}
+    plan = _plan(header, config, pack_variant, kept_types) if quantized else {}
     arena = _HugeArena(sum(size for size, _ in plan.values()))
     staging = torch.empty(0, dtype=torch.uint8)
     workers = max(1, min(DEQUANTIZE_THREADS, os.cpu_count() or 1))
@@ -290,13 +292,13 @@ def _native():
 
 
 def _plan(
-    header: GGUFHeader, config: ModelConfig, pack_variant: str | None
+    header: GGUFHeader, config: ModelConfig, pack_variant: str | None, kept: frozenset[int]
 ) -> dict[str, tuple[int, bool]]:
     """For each matrix kept in its blocks: its bytes in memory and whether it is packed."""
     ops = _native() if pack_variant is not None else None
     plan = {}
     for info in header.tensors:
-        if info.ggml_type not in KEPT_QUANTIZED or len(info.shape) not in (2, 3):
+        if info.ggml_type not in kept or len(info.shape) not in (2, 3):
             continue
         cols, rows = info.shape[0], _matrix_rows(info)
         # a stack of experts packs as one matrix whose 8-row groups never straddle two

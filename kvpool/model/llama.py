@@ -20,6 +20,8 @@ from kvpool.model.attention import AttentionBatch, StepAttention
 from kvpool.model.config import ModelConfig
 from kvpool.model.cpu import cpu_features
 from kvpool.model.gguf_weights import QuantizedMatrix, QuantizedRows
+from kvpool.model.int4_products import Int4Linear, int4_unavailable
+from kvpool.model.int4_products import fits as int4_fits
 from kvpool.model.kv_store import PagedKVStore
 from kvpool.model.native import kernel_variant, native_ops
 from kvpool.model.products import ProductPolicy, QuantLinear
@@ -43,12 +45,17 @@ class Linear:
 
     __slots__ = ("bias", "numel_", "packed", "weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True
+    ) -> None:
+        """``prepack=False``: keep the plain layout (a tied head shares the embedding's
+        tensor; a packed copy would hold the whole matrix twice)."""
         self.weight: torch.Tensor | None = weight
         self.bias = bias
         self.numel_ = weight.numel() + (bias.numel() if bias is not None else 0)
         self.packed = None
-        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and can_prepack():
+        cpu_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+        if prepack and cpu_bf16 and can_prepack():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             self.weight = None  # the packed copy is the only one kept
 
@@ -59,6 +66,10 @@ class Linear:
 
     def numel(self) -> int:
         return self.numel_
+
+
+# A product's weights: dense, in kvpool's kernels' blocks, or in torch's int4 layout.
+Product = Linear | QuantLinear | Int4Linear
 
 
 def can_prepack() -> bool:
@@ -74,8 +85,8 @@ class _Experts:
     ``down[e]``. Quantized experts are views of the file's stacked blocks (one copy)."""
 
     router: torch.Tensor
-    gate_up: list[Linear | QuantLinear]
-    down: list[Linear | QuantLinear]
+    gate_up: list[Product]
+    down: list[Product]
     used: int
     native: Any = None  # the native MixtureOfExperts of the same products (``native_for``)
 
@@ -98,11 +109,11 @@ class _Experts:
 @dataclass
 class _Layer:
     attn_norm: torch.Tensor
-    qkv: Linear | QuantLinear  # [q + 2 kv, hidden], fused
-    o: Linear | QuantLinear
+    qkv: Product  # [q + 2 kv, hidden], fused
+    o: Product
     ffn_norm: torch.Tensor
-    gate_up: Linear | QuantLinear | None  # [2 inter, hidden], fused (None: experts)
-    down: Linear | QuantLinear | None
+    gate_up: Product | None  # [2 inter, hidden], fused (None: experts)
+    down: Product | None
     q_norm: torch.Tensor | None = None  # [head_dim]: each Q head's RMSNorm (qwen3)
     k_norm: torch.Tensor | None = None  # [head_dim]: each K head's
     experts: _Experts | None = None  # in place of gate_up and down (qwen3moe)
@@ -166,7 +177,7 @@ class LlamaModel:
                 tensor = tensor.dequantize()
             return tensor.to(device=device, dtype=dtype).contiguous()
 
-        def per_expert(names: list[str]) -> list[Linear | QuantLinear]:
+        def per_expert(names: list[str]) -> list[Product]:
             # each stacked tensor [experts, rows, cols] cut into its experts' matrices
             stacks = [weights.pop(name) for name in names]
             cut = [
@@ -186,27 +197,34 @@ class LlamaModel:
                 config.experts_used,
             )
 
-        def linear(names: list[str], bias: torch.Tensor | None = None) -> Linear | QuantLinear:
+        def linear(names: list[str], bias: torch.Tensor | None = None) -> Product:
             return product([weights.pop(name) for name in names], bias)
 
-        def product(parts: list[Any], bias: torch.Tensor | None = None) -> Linear | QuantLinear:
-            if device.type == "cpu" and all(isinstance(p, QuantizedMatrix) for p in parts):
+        # kvpool's kernels multiply the blocks on the CPU where they are built; elsewhere
+        # (a GPU, a CPU without them) torch's int4 kernels take the 4-bit formats in bf16
+        native = device.type == "cpu" and native_ops() is not None
+        int4 = dtype == torch.bfloat16 and int4_unavailable(device) is None
+
+        def product(parts: list[Any], bias: torch.Tensor | None = None) -> Product:
+            if native and all(isinstance(p, QuantizedMatrix) for p in parts):
                 return QuantLinear(parts, bias, self.products)  # type: ignore[arg-type]
+            if int4 and int4_fits(parts):
+                return Int4Linear(parts, bias, device)
             dense = [p.dequantize() if isinstance(p, QuantizedMatrix) else p for p in parts]
             return Linear(torch.cat(dense).to(device=device, dtype=dtype).contiguous(), bias)
 
         embedding = weights.get("token_embd.weight")
-        if isinstance(embedding, QuantizedMatrix) and device.type == "cpu":
+        if isinstance(embedding, QuantizedMatrix) and native:
             weights.pop("token_embd.weight")
             self.embed: torch.Tensor | QuantizedRows = QuantizedRows(embedding, dtype)
             if config.tie_word_embeddings:
-                self.lm_head: Linear | QuantLinear = QuantLinear(
+                self.lm_head: Product = QuantLinear(
                     [embedding], None, self.products, float_out=True
                 )
         else:
             self.embed = w("token_embd.weight")
             if config.tie_word_embeddings:
-                self.lm_head = Linear(self.embed)
+                self.lm_head = Linear(self.embed, prepack=False)
         if not config.tie_word_embeddings:
             self.lm_head = linear(["output.weight"])
             if isinstance(self.lm_head, QuantLinear):

@@ -24,7 +24,8 @@ import torch
 from kvpool.formats.gguf_header import read_gguf_header
 from kvpool.model.config import ModelConfig
 from kvpool.model.cpu import cpu_features
-from kvpool.model.gguf_weights import load_gguf_weights
+from kvpool.model.gguf_weights import KEPT_QUANTIZED, load_gguf_weights
+from kvpool.model.int4_products import FOUR_BIT, Int4Linear, int4_unavailable
 from kvpool.model.llama import LlamaModel, can_prepack
 from kvpool.model.native import kernel_variant, native_ops, unavailable_reason
 from kvpool.model.products import BF16_TILES, FLOAT, ProductPolicy, QuantLinear, calibrate
@@ -105,12 +106,23 @@ class LoadedModel:
         if device.type == "cuda":  # the CPU's features are in the dtype's reason
             line += f" on {device} ({torch.cuda.get_device_name(device)})"
         if isinstance(self.model.layers[0].o, QuantLinear):
-            line += f"; weights kept quantized, {self.model.products.describe()}"
-        elif device.type == "cpu" and unavailable_reason() is not None:
+            return line + f"; weights kept quantized, {self.model.products.describe()}"
+        if device.type == "cpu" and unavailable_reason() is not None:
+            line += f"; torch's path, no native kernels ({unavailable_reason()})"
+        model = self.model
+        products = [model.lm_head] + [
+            p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]
+        products = [p for p in products if p is not None]
+        four_bit = sum(isinstance(p, Int4Linear) for p in products)
+        if four_bit:
             line += (
-                f"; torch's path, quantized weights dequantized at load: no native kernels "
-                f"({unavailable_reason()})"
+                f"; 4-bit matrices in torch's int4 kernels ({four_bit} of {len(products)} "
+                f"products), the others dequantized to {model.dtype} at load"
             )
+        else:
+            why = int4_unavailable(device) if model.dtype == torch.bfloat16 else None
+            line += "; quantized weights dequantized at load" + (f" ({why})" if why else "")
         return line
 
     def describe(self, runner: ModelRunner | None = None) -> str:
@@ -251,14 +263,18 @@ def load_model(
         measure = dtype is None and ops is not None  # the compute dtype, by measurement
         # float32 asked for: the exact reference, float products only (no packed layout)
         exact = torch_dtype == torch.float32 and dtype is not None and not batch_invariant
+        # without kvpool's kernels (a GPU, a CPU where they did not build), 4-bit matrices
+        # in bf16 stay 4-bit in torch's int4 kernels (int4_products); the rest is dense
+        int4 = ops is None and torch_dtype == torch.bfloat16 and int4_unavailable(dev) is None
         config, weights = load_gguf_weights(
             path,
             torch.float32 if measure else torch_dtype,
             header=header,
             on_tensor=(lambda i, n: bar.advance()) if bar else None,
-            quantized=ops is not None,
+            quantized=ops is not None or int4,
             pack_variant=kernel_variant() if ops is not None and not exact else None,
             device=dev,
+            kept_types=KEPT_QUANTIZED if ops is not None else FOUR_BIT,
         )
     finally:
         if bar:
