@@ -162,7 +162,9 @@ class LlamaModel:
         given as ``QuantizedMatrix`` (the CPU runtime with native kernels) stay in their
         blocks and are multiplied by ``QuantLinear`` under ``products``; the token
         embedding then stays in its blocks too (rows dequantized on lookup), and a tied
-        head multiplies by those same blocks. Dense tensors become ``Linear``s."""
+        head multiplies by those same blocks. Without native kernels (a GPU, a CPU where
+        they did not build), 4-bit ones become ``Int4Linear``s in bf16 (int4_products),
+        the rest dense. Dense tensors become ``Linear``s."""
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -210,8 +212,13 @@ class LlamaModel:
                 return QuantLinear(parts, bias, self.products)  # type: ignore[arg-type]
             if int4 and int4_fits(parts):
                 return Int4Linear(parts, bias, device)
-            dense = [p.dequantize() if isinstance(p, QuantizedMatrix) else p for p in parts]
-            return Linear(torch.cat(dense).to(device=device, dtype=dtype).contiguous(), bias)
+            # each part to the device first: a GPU's dense parts are made there, the blocks
+            # of 4-bit parts fused with them (a QKV with a 6-bit V) dequantize on the CPU
+            dense = [
+                (p.dequantize() if isinstance(p, QuantizedMatrix) else p).to(device, dtype)
+                for p in parts
+            ]
+            return Linear(torch.cat(dense).contiguous(), bias)
 
         embedding = weights.get("token_embd.weight")
         if isinstance(embedding, QuantizedMatrix) and native:
