@@ -144,7 +144,7 @@ def test_an_unload_gives_the_memory_back(two_model_server, default_model_file, t
 def test_bad_model_names_and_keep_alive(two_model_server):
     proc, _ = two_model_server
     r = httpx.post(f"{proc.url}/api/generate", json={"model": "nope:1b", "prompt": "x"})
-    assert r.status_code == 404 and "not found" in r.json()["error"]
+    assert r.status_code == 404 and "not found" in r.json()["error"], r.text
     r = httpx.post(
         f"{proc.url}/api/generate", json={"model": "smollm2", "prompt": "x", "keep_alive": "soon"}
     )
@@ -180,6 +180,34 @@ def test_pull_answers_for_what_the_server_can_serve_and_loads_nothing(two_model_
             call()
         assert refused.value.status_code == 501 and "never changes" in refused.value.error
     assert _loaded(proc.url) == ["smollm2:135m"]
+
+
+def test_a_name_of_no_model_is_a_404_while_every_slot_is_busy(tmp_path, monkeypatch):
+    """A request naming no model, on a server whose slots are all busy (the started
+    model and one loaded on demand still answering): 404, not 'try again' (503), and
+    nothing unloaded or loaded for it."""
+    import asyncio
+
+    from kvpool.server.models import ModelRegistry
+
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path))  # an empty Ollama store
+
+    class Served:
+        unloading, active, keep_alive, expires_at, last_used = False, 1, FOREVER, FOREVER, 0.0
+
+        def __init__(self, name):
+            self.name = name
+
+        def matches(self, requested):
+            return requested == self.name
+
+    loads = []
+    registry = ModelRegistry(Served("a"), lambda name, kv: loads.append(name), max_models=2)
+    registry.extras.append(Served("b"))  # busy: a request is running on it
+    with pytest.raises(APIError, match="nope") as refused:
+        asyncio.run(registry.resolve("nope:1b"))
+    assert refused.value.status == 404 and not loads
+    assert [m.name for m in registry.loaded()] == ["a", "b"]
 
 
 def test_pull_on_a_one_model_server_names_the_flag(default_model_file):
