@@ -45,7 +45,7 @@ def test_load_time_leaves_out_a_native_build(fp32_model, default_model_file):
     from kvpool.model.loader import LoadedModel
 
     loaded = LoadedModel(default_model_file, fp32_model.config, fp32_model, None, 1.25, 0.3)
-    assert "loaded in 1.25 s" in loaded.describe() and "native" not in loaded.describe()
+    assert "loaded in 1.25 s" in loaded.describe() and "built in" not in loaded.describe()
     loaded.native_seconds = 31.0
     assert "loaded in 1.25 s (native ops built in 31 s, once)" in loaded.describe()
 

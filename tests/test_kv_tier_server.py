@@ -21,6 +21,10 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from kvpool.bench.local_server import LocalServer  # noqa: E402
+from kvpool.model.native import native_ops  # noqa: E402
+
+# the servers here keep an int8 KV cache under bf16 compute: the native ops' stores
+pytestmark = pytest.mark.skipif(native_ops() is None, reason="an int8 KV cache needs native ops")
 
 MODEL = "smollm2:135m"
 WORDS = [
