@@ -177,9 +177,10 @@ def native_ops() -> ModuleType | None:
         log = _build_log(build_dir, str(exc))
         where = f"; the whole log: {log}" if log else ""
         advice = (
-            "Without them quantized weights are dequantized at load (2-4 times the "
-            "memory) and every step runs on torch's slower path. Install a C++ compiler "
-            "with OpenMP (g++) and start again: the build runs once."
+            "Without them only 4-bit matrices stay quantized (torch's int4 kernels, in "
+            "bf16), the others are dequantized at load (2-4 times their memory), and "
+            "every step runs on torch's slower path. Install a C++ compiler with OpenMP "
+            "(g++) and start again: the build runs once."
         )
         warnings.warn(
             f"kvpool's native kernels did not build ({reason}{where}). {advice}", stacklevel=2
