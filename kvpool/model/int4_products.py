@@ -64,11 +64,11 @@ def four_bit_values(matrix: QuantizedMatrix) -> tuple[torch.Tensor, torch.Tensor
     blocks = raw.view(n, k // 256, 144)  # Q4_K: d, dmin, 12 bytes of 6-bit scales, 128 of q
     d, dmin = _f16(blocks, 0)[..., None], _f16(blocks, 2)[..., None]
     s = blocks[..., 4:16].to(torch.int32)
-    low = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    b0, b4, b8 = s[..., 0:4], s[..., 4:8], s[..., 8:12]  # bytes 0-3, 4-7, 8-11
     # get_scale_min_k4: sub-blocks 0-3 from the low 6 bits of bytes 0-3 (scales) and 4-7
     # (mins); 4-7 from bytes 8-11's nibbles, their top 2 bits from bytes 0-3 and 4-7
-    sc = torch.cat([low[0] & 63, (low[2] & 0x0F) | ((low[0] >> 6) << 4)], dim=-1)
-    mn = torch.cat([low[1] & 63, (low[2] >> 4) | ((low[1] >> 6) << 4)], dim=-1)
+    sc = torch.cat([b0 & 63, (b8 & 0x0F) | ((b0 >> 6) << 4)], dim=-1)
+    mn = torch.cat([b4 & 63, (b8 >> 4) | ((b4 >> 6) << 4)], dim=-1)
     q = _nibbles(blocks[..., 16:].reshape(n, k // 256, 4, 32)).reshape(n, k)
     scale = d * sc.float()
     zero = 8 * scale - dmin * mn.float()
