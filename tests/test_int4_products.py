@@ -133,3 +133,28 @@ def test_a_model_without_native_kernels_keeps_four_bit_matrices_and_answers_alik
     # the int4 model's error is bf16's (measured 4.1% and 4.0% of the largest logit):
     # its scales and zeros rounded to bf16 cost little beside bf16 activations
     assert int4_error <= 1.5 * bf16_error, (int4_error, bf16_error)
+
+
+@needs_int4
+def test_a_matrix_the_int4_kernels_refuse_stays_dense(tmp_path: Path, monkeypatch):
+    """A shape a device's int4 packing refuses (the check at first use covers one shape)
+    makes that product dense instead of failing the load."""
+    import kvpool.model.int4_products as int4_products
+    import kvpool.model.llama as llama
+    from kvpool.model.llama import Linear, LlamaModel
+
+    path = write_model(tmp_path / "four-bit.gguf", "llama", FOUR_BIT_MIX, seed=4)
+    monkeypatch.setattr(llama, "native_ops", lambda: None)
+    pack = int4_products._pack
+
+    def refusing(q, device):
+        if q.shape[0] == 2 * 512:  # the gate/up products (2 x INTER rows)
+            raise RuntimeError("refused")
+        return pack(q, device)
+
+    monkeypatch.setattr(int4_products, "_pack", refusing)
+    config, weights = load_gguf_weights(path, quantized=True, kept_types=FOUR_BIT)
+    model = LlamaModel(config, weights, CPU, torch.bfloat16)
+    layer = model.layers[0]
+    assert isinstance(layer.gate_up, Linear) and isinstance(layer.o, Int4Linear)
+    assert logits(model).isfinite().all()

@@ -211,7 +211,10 @@ class LlamaModel:
             if native and all(isinstance(p, QuantizedMatrix) for p in parts):
                 return QuantLinear(parts, bias, self.products)  # type: ignore[arg-type]
             if int4 and int4_fits(parts):
-                return Int4Linear(parts, bias, device)
+                try:
+                    return Int4Linear(parts, bias, device)
+                except RuntimeError:  # a shape this device's int4 kernels refuse: dense
+                    pass
             # each part to the device first: a GPU's dense parts are made there, the blocks
             # of 4-bit parts fused with them (a QKV with a 6-bit V) dequantize on the CPU
             dense = [
