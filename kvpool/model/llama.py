@@ -205,7 +205,7 @@ class LlamaModel:
         # kvpool's kernels multiply the blocks on the CPU where they are built; elsewhere
         # (a GPU, a CPU without them) torch's int4 kernels take the 4-bit formats in bf16
         native = device.type == "cpu" and native_ops() is not None
-        int4 = dtype == torch.bfloat16 and int4_unavailable(device) is None
+        int4 = not native and dtype == torch.bfloat16 and int4_unavailable(device) is None
 
         def product(parts: list[Any], bias: torch.Tensor | None = None) -> Product:
             if native and all(isinstance(p, QuantizedMatrix) for p in parts):
@@ -296,6 +296,10 @@ class LlamaModel:
         # The layers as one native call for decode steps (``_native_layers``): built at
         # the first step that can take it; False where the model cannot.
         self._decode_layers: Any = None
+
+    def matrix_products(self) -> list[Any]:
+        """The head's product and every layer's (experts' included)."""
+        return [self.lm_head, *(p for layer in self.layers for p in _products(layer))]
 
     @property
     def windows(self) -> list[int]:

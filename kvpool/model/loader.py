@@ -28,7 +28,14 @@ from kvpool.model.gguf_weights import KEPT_QUANTIZED, load_gguf_weights
 from kvpool.model.int4_products import FOUR_BIT, Int4Linear, int4_unavailable
 from kvpool.model.llama import LlamaModel, can_prepack
 from kvpool.model.native import kernel_variant, native_ops, unavailable_reason
-from kvpool.model.products import BF16_TILES, FLOAT, ProductPolicy, QuantLinear, calibrate
+from kvpool.model.products import (
+    BF16_TILES,
+    FLOAT,
+    ProductPolicy,
+    QuantLinear,
+    calibrate,
+    integer_kernels,
+)
 from kvpool.model.runner import ModelRunner
 from kvpool.model.tokenizer import Tokenizer
 from kvpool.model_store import resolve_model_path
@@ -110,10 +117,7 @@ class LoadedModel:
         if device.type == "cpu" and unavailable_reason() is not None:
             line += f"; torch's path, no native kernels ({unavailable_reason()})"
         model = self.model
-        products = [model.lm_head] + [
-            p for layer in model.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        ]
-        products = [p for p in products if p is not None]
+        products = model.matrix_products()
         four_bit = sum(isinstance(p, Int4Linear) for p in products)
         if four_bit:
             line += (
@@ -300,7 +304,7 @@ def load_model(
         choice = (
             f"{torch_dtype}: measured {times[torch_dtype] * 1e3:.1f} ms a batch-1 decode "
             f"step vs {times[other] * 1e3:.1f} ms in {other} ({cpu_features().summary()}; "
-            f"both with {'int8' if kernel_variant() != 'generic' else 'the same'} products)"
+            f"both with {'int8' if integer_kernels(kernel_variant()) else 'the same'} products)"
         )
     else:
         products = ProductPolicy(exact=exact, variant=kernel_variant(), fixed=batch_invariant)

@@ -32,6 +32,13 @@ from kvpool.model.native import native_ops
 INT8, FLOAT, BF16_TILES = 0, 1, 2  # quant_matmul's modes
 
 
+def integer_kernels(variant: str) -> bool:
+    """Whether ``variant``'s kernels have integer products: the generic variant has none,
+    and its int8 mode multiplies dequantized tiles row by row (quant_matmul), which
+    keeps int8's row invariance."""
+    return variant != "generic"
+
+
 @dataclass
 class ProductPolicy:
     """Which product a step of ``rows`` rows takes. ``exact``: float products always
@@ -55,9 +62,7 @@ class ProductPolicy:
     def describe(self) -> str:
         ops = native_ops()
         variant = self.variant or (ops.kernel_variants()[0] if ops is not None else "none")
-        # the generic variant has no integer kernels: its int8 mode multiplies
-        # dequantized tiles row by row (quant_matmul), which keeps int8's row invariance
-        integer = variant != "generic"
+        integer = integer_kernels(variant)
         if self.exact:
             faster = "; without --dtype, int8 products: several times faster" if integer else ""
             return (
