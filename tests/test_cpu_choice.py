@@ -163,6 +163,24 @@ def test_without_native_kernels_the_load_says_why_and_what_to_do(tmp_path):
     assert "disabled by KVPOOL_NATIVE=0" in out.stdout and "did not build" not in out.stderr
 
 
+def test_the_build_finds_ninja_where_the_environment_is_not_activated(monkeypatch, tmp_path):
+    """torch's loader builds with ``ninja`` from PATH. A fresh machine seldom has one,
+    and the ``ninja`` package's program is on PATH only where its virtual environment is
+    activated (``.venv/bin/kvpool serve`` is not): the build must still find it (it
+    failed there, and every step ran on torch's slower path)."""
+    ninja = pytest.importorskip("ninja")
+    from torch.utils.cpp_extension import verify_ninja_availability
+
+    from kvpool.model import native
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ninja on it
+    with pytest.raises(RuntimeError, match="Ninja is required"):
+        verify_ninja_availability()
+    native._ninja_on_path()
+    verify_ninja_availability()
+    assert Path(ninja.BIN_DIR) in [Path(d) for d in os.environ["PATH"].split(os.pathsep)]
+
+
 def _timings(*values: float):
     """A probe returning these times in turn, counting its calls."""
     it = iter(values)

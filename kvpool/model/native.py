@@ -24,7 +24,8 @@ AVX-512 with VNNI, AVX2, generic C++) into one module, and the fastest this CPU 
 chosen at run time (``kernel_variants()`` lists them, fastest first; every op takes a
 ``variant`` to force one, for tests and benchmarks).
 
-It needs a C++ compiler; the first build takes about 30 s and is cached (torch's
+It needs a C++ compiler and ninja (the ``ninja`` package, a runtime dependency, carries
+one); the first build takes about 30 s and is cached (torch's
 extensions directory, one build per sources, flags, CPU and torch install). Where it
 cannot be built, or with ``KVPOOL_NATIVE=0``, the runtime uses its torch path, which
 computes the same (tests compare the two).
@@ -42,6 +43,7 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import sys
 import warnings
 from collections.abc import Callable
@@ -106,6 +108,23 @@ def _staged_sources(build_dir: Path | None) -> list[Path]:
     return staged[: len(_SOURCES)]
 
 
+def _ninja_on_path() -> None:
+    """Puts the ``ninja`` package's program on PATH where no other ninja is. torch's loader
+    builds with ``ninja`` from PATH, and a fresh machine seldom has one: the package (a
+    runtime dependency) installs it beside the virtual environment's other programs,
+    which are on PATH only where that environment is activated (``.venv/bin/kvpool
+    serve`` runs without that; without ninja the build failed and every step ran on
+    torch's slower path)."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:  # the failed build then says to install it
+        return
+    if shutil.which("ninja", path=ninja.BIN_DIR):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
 # Why native_ops() returned None (one line), once it has.
 _unavailable: list[str] = []
 
@@ -165,6 +184,7 @@ def native_ops() -> ModuleType | None:
         name = kind + hashlib.sha256(key).hexdigest()[:12]
         build_dir = _build_directory(name)
         sources = _staged_sources(build_dir)
+        _ninja_on_path()
         if build_dir is None or not (build_dir / f"{name}.so").exists():
             print("kvpool: compiling the native ops (once, ~30 s)...", file=sys.stderr, flush=True)
         return load(
