@@ -18,7 +18,8 @@ from kvpool.model.native import native_ops  # noqa: E402
 ops = native_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="native ops not built here")
 VARIANTS = ["avx512-bf16", "avx512-vnni", "avx2", "generic"]
-INT8_VARIANTS = VARIANTS[:3]  # the generic variant has float products only
+X86_VARIANTS = VARIANTS[:3]  # one integer form: their products agree bit for bit
+INT8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 # int8 products against the float ones, one product of random data: share of the
 # largest output (measured: 0.4-1.2%)
 INT8_PRODUCT_BOUND = 0.03
@@ -64,34 +65,39 @@ def test_products_against_the_dequantized_product(qtype, variant, rows):
         assert (ints - reference).abs().max().item() <= INT8_PRODUCT_BOUND * scale
 
 
-@pytest.mark.parametrize("variant", [variant_param(v) for v in INT8_VARIANTS])
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
+@pytest.mark.parametrize("qtype", INT8_TYPES)
 def test_int8_products_are_row_invariant_and_equal_across_variants(qtype, variant):
     """Each output row is its activation row's dot products alone, in a fixed order: a
     batch of 37 rows gives, bit for bit, each row computed alone (and the integer sums
-    make every x86 variant agree)."""
+    make every x86 variant agree; the generic variant's plain C++ sums its units in
+    another order of floats)."""
+    assert ops.quant_has_int_dot(TYPES[qtype][0], variant)
     tid = TYPES[qtype][0]
     raw = blocks(qtype, 24, 768)
     x = torch.randn(37, 768, generator=torch.Generator().manual_seed(1))
     batch = ops.quant_matmul(x, [raw], [tid], 0, variant)
     for i in (0, 3, 4, 17, 36):
         assert torch.equal(ops.quant_matmul(x[i : i + 1], [raw], [tid], 0, variant)[0], batch[i])
-    assert torch.equal(batch, ops.quant_matmul(x, [raw], [tid], 0, INT8_VARIANTS[-1]))
+    if variant in X86_VARIANTS:
+        assert torch.equal(batch, ops.quant_matmul(x, [raw], [tid], 0, X86_VARIANTS[-1]))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_mode_is_row_invariant_without_integer_kernels(qtype, dtype):
-    """The generic variant (a CPU without AVX2: aarch64) has no integer kernels, and its
-    int8 mode multiplies dequantized tiles in floats; it keeps the mode's promise all
-    the same (a row's result whatever the batch: what --batch-invariant rests on), here
-    with 37 rows, where a float product's GEMM would sum in another order than 1 row's."""
+def test_int8_mode_is_row_invariant_without_integer_kernels(qtype, dtype, variant):
+    """Q2_K and Q3_K have no integer kernels, and the int8 mode multiplies their
+    dequantized tiles in floats; it keeps the mode's promise all the same (a row's
+    result whatever the batch: what --batch-invariant rests on), here with 37 rows,
+    where a float product's GEMM would sum in another order than 1 row's."""
     tid = TYPES[qtype][0]
+    assert not ops.quant_has_int_dot(tid, variant)
     raw = blocks(qtype, 80, 768)
     x = torch.randn(37, 768, generator=torch.Generator().manual_seed(2)).to(dtype)
-    batch = ops.quant_matmul(x, [raw], [tid], 0, "generic", True)
+    batch = ops.quant_matmul(x, [raw], [tid], 0, variant, True)
     for i in (0, 5, 16, 36):
-        alone = ops.quant_matmul(x[i : i + 1], [raw], [tid], 0, "generic", True)
+        alone = ops.quant_matmul(x[i : i + 1], [raw], [tid], 0, variant, True)
         assert torch.equal(alone[0], batch[i]), i
 
 
@@ -191,7 +197,8 @@ def test_the_exact_path_keeps_the_files_layout_and_the_fast_path_packs():
     fast = load_model(None, dtype=None, progress=False)
     packs = [ops.quant_packs(t & ~PACKED, fast.model.products.variant) for t in types(fast)]
     assert [bool(t & PACKED) for t in types(fast)] == packs
-    assert any(packs) == (fast.model.products.variant != "generic")  # generic: none packs
+    # the x86 kernels multiply the packed layout; the plain C++ ones (generic, aarch64) none
+    assert any(packs) == (fast.model.products.variant in X86_VARIANTS)
 
 
 @pytest.mark.parametrize("qtype", PACKABLE)
@@ -219,7 +226,8 @@ def test_the_packed_layout_holds_the_same_values(qtype):
 def test_packed_products_equal_the_row_kernels(qtype, variant):
     """The packed kernels compute each row's integer sums exactly as the row kernels do
     (only the float accumulation's rounding may differ), row-invariant too; a variant
-    without packed kernels (generic) multiplies the packed layout by float tiles.
+    without packed kernels (generic, aarch64: they pack nothing) multiplies the packed layout by
+    float tiles, as near its int8 row kernels as any float product.
     40 weight rows: two pairs of groups and an odd group (AVX-512 takes pairs in 512-bit
     vectors); 37, 30 and 27 activation rows: passes of 32 (AVX2's Q6_K), 16, 8, 4, 3, 2 and
     1 rows (from 32 rows, AVX-512 takes two units a row's visit: 25 units a row, for the
@@ -232,7 +240,9 @@ def test_packed_products_equal_the_row_kernels(qtype, variant):
     for mode in (0, 1):
         rows = ops.quant_matmul(x, [raw], [tid], mode, variant)
         grouped = ops.quant_matmul(x, [packed], [tid | PACKED], mode, variant)
-        assert (grouped - rows).abs().max().item() <= 1e-5 * rows.abs().max().item()
+        exact = mode == 1 or ops.quant_packs(tid, variant)
+        bound = 1e-5 if exact else INT8_PRODUCT_BOUND
+        assert (grouped - rows).abs().max().item() <= bound * rows.abs().max().item()
     if not ops.quant_packs(tid, variant):  # float tiles: one order of sums below 16 rows
         x = x[:11]
     batch = ops.quant_matmul(x, [packed], [tid | PACKED], 0, variant)
@@ -241,7 +251,7 @@ def test_packed_products_equal_the_row_kernels(qtype, variant):
         assert torch.equal(alone, batch[i])
     for n in (n for n in (30, 27) if n < len(x)):
         assert torch.equal(ops.quant_matmul(x[:n], [packed], [tid | PACKED], 0, variant), batch[:n])
-    assert ops.quant_packs(tid, variant) == (variant != "generic")
+    assert ops.quant_packs(tid, variant) == (variant in X86_VARIANTS)
 
 
 @pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
@@ -319,7 +329,7 @@ def _extreme_blocks(qtype: str, n: int, k: int, rng) -> torch.Tensor:
     return torch.from_numpy(np.concatenate([body, scales, d], axis=2).reshape(n, -1).copy())
 
 
-@pytest.mark.parametrize("variant", [variant_param(v) for v in INT8_VARIANTS])
+@pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q5_0", "Q5_K", "Q6_K"])
 def test_packed_offsets_in_the_sums_at_the_int16_limits(qtype, variant):
     """Q4_0's offset of 8 and Q6_K's of 32 taken into the integer sums (AVX2), and the 5-bit

@@ -34,7 +34,6 @@ from kvpool.model.products import (
     ProductPolicy,
     QuantLinear,
     calibrate,
-    integer_kernels,
 )
 from kvpool.model.runner import ModelRunner
 from kvpool.model.tokenizer import Tokenizer
@@ -304,7 +303,7 @@ def load_model(
         choice = (
             f"{torch_dtype}: measured {times[torch_dtype] * 1e3:.1f} ms a batch-1 decode "
             f"step vs {times[other] * 1e3:.1f} ms in {other} ({cpu_features().summary()}; "
-            f"both with {'int8' if integer_kernels(kernel_variant()) else 'the same'} products)"
+            "both with int8 products)"
         )
     else:
         products = ProductPolicy(exact=exact, variant=kernel_variant(), fixed=batch_invariant)

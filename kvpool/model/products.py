@@ -6,9 +6,10 @@ Two kinds of product (``native.quant_matmul``):
 - ``int8``: activations quantized to int8 per block of 32, integer dot products with the
   unpacked weight blocks, llama.cpp's method. Every output element is one row's dot
   product in a fixed order, so a row's result does not depend on the rest of the batch.
-  Where the kernels have no integer products (the generic variant: a CPU without
-  AVX2), the mode multiplies dequantized tiles one row at a time instead, which keeps
-  that property.
+  Every variant has them for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K (the
+  generic variant in plain C++ that compilers vectorize: NEON on aarch64); a format
+  without them (Q2_K, Q3_K) is multiplied by dequantized tiles one row at a time in this
+  mode, which keeps that property.
 - ``float``: weights dequantized tile by tile (per thread, never a whole matrix) and
   multiplied with float32 activations: what dequantizing the file gives, up to the
   order of the sums. The reference; exact comparisons (tests at float32) use it.
@@ -30,13 +31,6 @@ from kvpool.model.gguf_weights import QuantizedMatrix
 from kvpool.model.native import native_ops
 
 INT8, FLOAT, BF16_TILES = 0, 1, 2  # quant_matmul's modes
-
-
-def integer_kernels(variant: str) -> bool:
-    """Whether ``variant``'s kernels have integer products: the generic variant has none,
-    and its int8 mode multiplies dequantized tiles row by row (quant_matmul), which
-    keeps int8's row invariance."""
-    return variant != "generic"
 
 
 @dataclass
@@ -62,22 +56,21 @@ class ProductPolicy:
     def describe(self) -> str:
         ops = native_ops()
         variant = self.variant or (ops.kernel_variants()[0] if ops is not None else "none")
-        integer = integer_kernels(variant)
+        kernels = f"{variant} kernels"
         if self.exact:
-            faster = "; without --dtype, int8 products: several times faster" if integer else ""
             return (
-                f"float products from dequantized tiles, the exact reference ({variant} "
-                f"kernels{faster})"
+                f"float products from dequantized tiles, the exact reference ({kernels}; "
+                "without --dtype, int8 products: several times faster)"
             )
-        small = "int8 products" if integer else "float products row by row"
-        kernels = f"{variant} kernels" + ("" if integer else ": none for int8 here")
+        small = "int8 products"
         if self.int8_max_rows is None:
             why = ", batch-invariant" if self.fixed else ""
             return f"{small} at every step size{why} ({kernels})"
         tiles = "bf16" if self.tiles == BF16_TILES else "float32"
         if self.int8_max_rows == 0:
             return f"{tiles} tiles at every step size ({kernels})"
-        return f"{small} up to {self.int8_max_rows} rows, {tiles} tiles above ({kernels})"
+        rows = f"{self.int8_max_rows} row{'s' if self.int8_max_rows > 1 else ''}"
+        return f"{small} up to {rows}, {tiles} tiles above ({kernels})"
 
 
 class QuantLinear:
@@ -129,13 +122,16 @@ class QuantLinear:
 
 
 def calibrate(
-    linear: QuantLinear, tiles: int, sizes: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512)
+    linear: QuantLinear,
+    tiles: int,
+    sizes: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 512),
 ) -> int | None:
     """The largest step size at which ``int8`` products are still faster than ``tiles``
-    for this product on this CPU: 0 if tiles win from the smallest size measured, None
-    if int8 wins at every size measured. Each size: the faster of three runs per mode
-    (alternating); it stops at the first size tiles win (a few hundred milliseconds
-    for a 1B-class layer)."""
+    for this product on this CPU: 0 if tiles win from one row on, None if int8 wins at
+    every size measured. Each size: the faster of three runs per mode (alternating); it
+    stops at the first size tiles win (a few hundred milliseconds for a 1B-class layer).
+    One row is measured too: plain C++ integer kernels (the generic variant) can win a
+    decode step's one row and lose at eight."""
     ops = native_ops()
     best: int | None = 0
     for rows in sizes:

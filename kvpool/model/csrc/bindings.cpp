@@ -59,6 +59,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_packed_bytes", &quant_packed_bytes, "bytes of a matrix in the packed layout");
   m.def("quant_packs", &quant_packs, "whether these kernels multiply the packed layout of a type",
         py::arg("qtype"), py::arg("variant") = "");
+  m.def("quant_has_int_dot", &quant_has_int_dot,
+        "whether these kernels have integer products for a type (its file's layout)",
+        py::arg("qtype"), py::arg("variant") = "");
   m.def("quant_matmul", &quant_matmul,
         "x [M, K] times the stacked quantized parts transposed: [M, rows], float32 (or x's "
         "dtype with same_dtype)", py::arg("x"), py::arg("parts"), py::arg("types"),

@@ -121,6 +121,10 @@ bool quant_packs(int64_t qtype, const std::string& isa) {
   return kvp::packable(static_cast<int>(qtype)) && table(isa)->has_packed_dot(static_cast<int>(qtype));
 }
 
+bool quant_has_int_dot(int64_t qtype, const std::string& isa) {
+  return table(isa)->has_int_dot(static_cast<int>(qtype));
+}
+
 at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype, const c10::optional<at::Tensor>& into) {
   TORCH_CHECK(kvp::packable(static_cast<int>(qtype)), "type ", qtype, " has no packed layout");
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() &&
@@ -218,7 +222,14 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   static thread_local std::vector<int32_t> o_scratch;
   const bool bf16_in = x_in.scalar_type() == at::kBFloat16;
   const bool bf16_out = same_dtype && bf16_in;
-  const bool bf16_tiles = mode == 2 && m >= kGemmRows;
+  // Tiles multiplied by at::mm, each on the thread that took it, several at once: only
+  // where torch's BLAS is MKL (its x86 builds). Its aarch64 build's (OpenBLAS), called
+  // so, rounded a tile's sums differently from call to call (seen under emulation: the
+  // same product differed in its last bits between runs on two threads), which breaks
+  // "the same bits on any number of threads" that the thread policy rests on; float_dot
+  // then multiplies the tiles.
+  const bool gemm_tiles = m >= kGemmRows && at::hasMKL();
+  const bool bf16_tiles = mode == 2 && gemm_tiles;
   const auto x16 = bf16_tiles ? x_in.to(at::kBFloat16).contiguous() : at::Tensor();
   auto y = at::empty({m, n_total}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (m == 0) return y;
@@ -333,7 +344,7 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
         auto wt = at::from_blob(buffer.data(), {task.rows, k}, at::kFloat).to(at::kBFloat16);
         auto yt = at::from_blob(out, {m, task.rows}, {ldo, 1}, at::kFloat);
         yt.copy_(at::mm(x16, wt.t()));
-      } else if (m >= kGemmRows && mode != 0) {
+      } else if (gemm_tiles && mode != 0) {
         // (not in int8 mode: it promises each row's result whatever the batch, and a part
         // without integer kernels, as all of the generic variant's, keeps that promise
         // with float_dot, whose order of sums is the same at every M; at::mm's is not)
