@@ -35,6 +35,8 @@ def test_features_agree_with_torch_and_with_each_other():
         assert cpu.avx512
     if cpu.arch not in ("x86_64", "AMD64"):
         assert not (cpu.avx2 or cpu.avx512)
+    if cpu.arch not in ("aarch64", "arm64"):
+        assert not cpu.dotprod
     assert cpu.model in cpu.summary()
 
 
@@ -68,6 +70,8 @@ def _best_variant(cpu: CpuFeatures) -> str:
         return "avx512-bf16"
     if cpu.avx512 and cpu.avx512_vnni:
         return "avx512-vnni"
+    if cpu.dotprod:
+        return "aarch64-dotprod"
     return "avx2" if cpu.avx2 else "generic"
 
 
@@ -110,6 +114,7 @@ def test_the_module_runs_what_the_cpu_has():
     variants = ops.kernel_variants()
     assert variants[-1] == "generic"
     assert ("avx2" in variants) == cpu.avx2
+    assert ("aarch64-dotprod" in variants) == cpu.dotprod
     if emulating_avx512():  # the AVX-512 variants are SIMDe's, run on AVX2
         assert ("avx512-bf16" in variants) == ("avx512-vnni" in variants) == cpu.avx2
         return

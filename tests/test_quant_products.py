@@ -17,7 +17,7 @@ from kvpool.model.native import native_ops  # noqa: E402
 
 ops = native_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="native ops not built here")
-VARIANTS = ["avx512-bf16", "avx512-vnni", "avx2", "generic"]
+VARIANTS = ["avx512-bf16", "avx512-vnni", "avx2", "aarch64-dotprod", "generic"]
 X86_VARIANTS = VARIANTS[:3]  # one integer form: their products agree bit for bit
 INT8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 # int8 products against the float ones, one product of random data: share of the

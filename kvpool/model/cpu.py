@@ -3,7 +3,8 @@ it (never by what the machine that built or tested kvpool had).
 
 Features come from the CPUID instruction through torch's ``cpuinfo`` (what the process
 may really execute: a virtual machine or an emulator that hides AVX-512 hides it here
-too), not from ``/proc/cpuinfo``, which an emulator passes through from the host.
+too), on aarch64 Linux from the kernel's hardware capabilities (``getauxval``), not from
+``/proc/cpuinfo``, which an emulator passes through from the host.
 ``KVPOOL_CPU_FEATURES`` narrows them for tests and experiments: a comma list of the
 features to keep (``avx2``, or ``none``); it can only take features away.
 """
@@ -25,6 +26,7 @@ class CpuFeatures:
     avx512_vnni: bool  # int8 dot products (VPDPBUSD)
     avx512_bf16: bool  # bf16 dot products (VDPBF16PS)
     amx: bool  # AMX tiles
+    dotprod: bool  # aarch64's int8 dot products (SDOT)
     bf16_products: bool  # oneDNN runs bf16 matrix products in hardware (AVX-512 BF16 / AMX)
 
     def summary(self) -> str:
@@ -56,6 +58,22 @@ def _probe(name: str) -> bool:
         return False
 
 
+def _aarch64_hwcap(bit: int) -> bool:
+    """Bit ``bit`` of the kernel's AT_HWCAP for this process (aarch64 Linux; elsewhere
+    False)."""
+    if platform.machine() not in ("aarch64", "arm64"):
+        return False
+    try:
+        import ctypes
+
+        getauxval = ctypes.CDLL(None).getauxval
+        getauxval.restype = ctypes.c_ulong
+        getauxval.argtypes = [ctypes.c_ulong]
+        return bool(getauxval(16) >> bit & 1)  # AT_HWCAP
+    except (OSError, AttributeError):  # not glibc / not Linux
+        return False
+
+
 def _mkldnn_bf16() -> bool:
     import torch
 
@@ -74,6 +92,7 @@ def cpu_features() -> CpuFeatures:
         "avx512_vnni": _probe("_is_avx512_supported") and _probe("_is_vnni_supported"),
         "avx512_bf16": _probe("_is_avx512_bf16_supported"),
         "amx": _probe("_is_amx_tile_supported"),
+        "dotprod": _aarch64_hwcap(20),  # HWCAP_ASIMDDP
         "bf16_products": _mkldnn_bf16(),
     }
     keep = os.environ.get("KVPOOL_CPU_FEATURES")

@@ -69,6 +69,7 @@ static inline int64_t varlen_scratch(const VarlenArgs& a) {
 extern "C" {
 const kvp::AttentionKernels* kvp_attention_kernels_generic();
 const kvp::AttentionKernels* kvp_attention_kernels_avx2();
+const kvp::AttentionKernels* kvp_attention_kernels_aarch64_dotprod();
 const kvp::AttentionKernels* kvp_attention_kernels_avx512_vnni();
 const kvp::AttentionKernels* kvp_attention_kernels_avx512_bf16();
 }

@@ -1,10 +1,14 @@
 // The choice of kernel variant by what the CPU has (CPUID, through the compiler's
-// __builtin_cpu_supports): the module is built once per architecture, never for the
-// machine that happened to build it.
+// __builtin_cpu_supports; on aarch64 Linux the kernel's hardware capabilities): the
+// module is built once per architecture, never for the machine that happened to build it.
 
 #include "isa_select.h"
 
 #include <c10/util/Exception.h>
+
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#endif
 
 namespace kvp {
 namespace {
@@ -23,6 +27,9 @@ bool has(const char* feature) {
                       __builtin_cpu_supports("avx512vnni") && has("avx2");
   if (f == "avx512-vnni") return avx512;
   if (f == "avx512-bf16") return avx512 && __builtin_cpu_supports("avx512bf16");
+#elif defined(__aarch64__) && defined(__linux__)
+  // HWCAP_ASIMDDP: the SDOT / UDOT instructions
+  if (std::string(feature) == "aarch64-dotprod") return (getauxval(AT_HWCAP) & (1UL << 20)) != 0;
 #else
   (void)feature;
 #endif
@@ -40,6 +47,8 @@ const std::vector<Variant>& cpu_variants() {
         {"avx512-vnni", kvp_quant_kernels_avx512_vnni(), kvp_attention_kernels_avx512_vnni(),
          kvp_row_kernels_avx512_vnni()},
         {"avx2", kvp_quant_kernels_avx2(), kvp_attention_kernels_avx2(), kvp_row_kernels_avx2()},
+        {"aarch64-dotprod", kvp_quant_kernels_aarch64_dotprod(),
+         kvp_attention_kernels_aarch64_dotprod(), kvp_row_kernels_aarch64_dotprod()},
     };
     for (const auto& v : all)
       if (v.quant != nullptr && has(v.name.c_str())) out.push_back(v);

@@ -115,6 +115,7 @@ struct QuantKernels {
 extern "C" {
 const kvp::QuantKernels* kvp_quant_kernels_generic();
 const kvp::QuantKernels* kvp_quant_kernels_avx2();
+const kvp::QuantKernels* kvp_quant_kernels_aarch64_dotprod();
 const kvp::QuantKernels* kvp_quant_kernels_avx512_vnni();
 const kvp::QuantKernels* kvp_quant_kernels_avx512_bf16();
 }

@@ -41,6 +41,7 @@ struct RowKernels {
 extern "C" {
 const kvp::RowKernels* kvp_row_kernels_generic();
 const kvp::RowKernels* kvp_row_kernels_avx2();
+const kvp::RowKernels* kvp_row_kernels_aarch64_dotprod();
 const kvp::RowKernels* kvp_row_kernels_avx512_vnni();
 const kvp::RowKernels* kvp_row_kernels_avx512_bf16();
 }
