@@ -222,3 +222,19 @@ def test_the_dtype_measure_meets_each_phase_alike():
     bf16, fp32 = _timings(*[3.0] * n), _timings(*[1.0] * n)
     assert median_of_alternating({"bf16": bf16, "fp32": fp32}) == {"bf16": 3.0, "fp32": 1.0}
     assert bf16.calls == fp32.calls == DTYPE_CLEAR_AFTER + 1
+
+
+def test_the_cpu_is_named_on_aarch64_too():
+    """Benchmarks name the CPU their figures come from. aarch64 Linux's /proc/cpuinfo has
+    no model name, only the implementer and part numbers: Arm's own cores are named by
+    them, others by the numbers; x86's model name is taken as it is."""
+    from kvpool.model.cpu import model_name_from
+
+    graviton2 = "processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd asimddp\n"
+    graviton2 += "CPU implementer\t: 0x41\nCPU architecture: 8\nCPU part\t: 0xd0c\n\n" * 2
+    assert model_name_from(graviton2) == "Neoverse-N1"
+    other = "CPU implementer\t: 0xc0\nCPU part\t: 0xac3\n"
+    assert model_name_from(other) == "Arm implementer 0xc0 part 0xac3"
+    x86 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+    assert model_name_from(x86) == "AMD EPYC"
+    assert model_name_from("processor\t: 0\n") is None

@@ -37,15 +37,45 @@ class CpuFeatures:
         return f"{self.model} ({self.arch}): {have}"
 
 
+# Arm's own cores by the part number /proc/cpuinfo gives (implementer 0x41), for CPUs whose
+# /proc/cpuinfo names no model (aarch64 Linux: Graviton, Ampere, a Raspberry Pi's).
+ARM_PARTS = {
+    0xD03: "Cortex-A53", 0xD05: "Cortex-A55", 0xD07: "Cortex-A57", 0xD08: "Cortex-A72",
+    0xD0B: "Cortex-A76", 0xD0C: "Neoverse-N1", 0xD0D: "Cortex-A77", 0xD40: "Neoverse-V1",
+    0xD41: "Cortex-A78", 0xD49: "Neoverse-N2", 0xD4F: "Neoverse-V2",
+}  # fmt: skip
+
+
+def model_name_from(cpuinfo: str) -> str | None:
+    """The CPU's model in /proc/cpuinfo's text: its model name (x86), or on aarch64 the
+    core its implementer and part numbers say ("Neoverse-N1", else "Arm part 0x...")."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    for key in ("model name", "Model", "Hardware"):
+        if fields.get(key):
+            return fields[key]
+    implementer, part = fields.get("CPU implementer"), fields.get("CPU part")
+    if implementer and part:
+        try:
+            implementer_id, part_id = int(implementer, 0), int(part, 0)
+        except ValueError:
+            return None
+        if implementer_id == 0x41 and part_id in ARM_PARTS:
+            return ARM_PARTS[part_id]
+        return f"Arm implementer {implementer_id:#x} part {part_id:#x}"
+    return None
+
+
 def _model_name() -> str:
     try:
         with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith(("model name", "Model", "Hardware")):
-                    return line.split(":", 1)[1].strip()
+            name = model_name_from(info.read())
     except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+        name = None
+    return name or platform.processor() or "unknown CPU"
 
 
 def _probe(name: str) -> bool:
