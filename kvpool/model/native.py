@@ -26,8 +26,8 @@ them, fastest first; every op takes a ``variant`` to force one, for tests and
 benchmarks).
 
 It needs a C++ compiler and ninja (the ``ninja`` package, a runtime dependency, carries
-one); the first build takes about 30 s and is cached (torch's
-extensions directory, one build per sources, flags, CPU and torch install). Where it
+one); the first build takes about 30 s and is cached (torch's extensions directory, one
+build per sources, flags, CPU and torch install). Where it
 cannot be built, or with ``KVPOOL_NATIVE=0``, the runtime uses its torch path, which
 computes the same (tests compare the two).
 

@@ -62,15 +62,14 @@ class ProductPolicy:
                 f"float products from dequantized tiles, the exact reference ({kernels}; "
                 "without --dtype, int8 products: several times faster)"
             )
-        small = "int8 products"
         if self.int8_max_rows is None:
             why = ", batch-invariant" if self.fixed else ""
-            return f"{small} at every step size{why} ({kernels})"
+            return f"int8 products at every step size{why} ({kernels})"
         tiles = "bf16" if self.tiles == BF16_TILES else "float32"
         if self.int8_max_rows == 0:
             return f"{tiles} tiles at every step size ({kernels})"
         rows = f"{self.int8_max_rows} row{'s' if self.int8_max_rows > 1 else ''}"
-        return f"{small} up to {rows}, {tiles} tiles above ({kernels})"
+        return f"int8 products up to {rows}, {tiles} tiles above ({kernels})"
 
 
 class QuantLinear:

@@ -346,8 +346,8 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
         yt.copy_(at::mm(x16, wt.t()));
       } else if (gemm_tiles && mode != 0) {
         // (not in int8 mode: it promises each row's result whatever the batch, and a part
-        // without integer kernels, as all of the generic variant's, keeps that promise
-        // with float_dot, whose order of sums is the same at every M; at::mm's is not)
+        // without integer kernels (Q2_K, Q3_K) keeps that promise with float_dot, whose
+        // order of sums is the same at every M; at::mm's is not)
         auto wt = at::from_blob(buffer.data(), {task.rows, k}, at::kFloat);
         auto xt = at::from_blob(const_cast<float*>(xp), {m, k}, at::kFloat);  // (no copy)
         auto yt = at::from_blob(out, {m, task.rows}, {ldo, 1}, at::kFloat);
