@@ -48,7 +48,7 @@ ARM_PARTS = {
 
 def model_name_from(cpuinfo: str) -> str | None:
     """The CPU's model in /proc/cpuinfo's text: its model name (x86), or on aarch64 the
-    core its implementer and part numbers say ("Neoverse-N1", else "Arm part 0x...")."""
+    core its implementer and part numbers say ("Neoverse-N1", else the numbers)."""
     fields: dict[str, str] = {}
     for line in cpuinfo.splitlines():
         key, sep, value = line.partition(":")
