@@ -70,10 +70,10 @@ def test_products_against_the_dequantized_product(qtype, variant, rows):
 def test_int8_products_are_row_invariant_and_equal_across_variants(qtype, variant):
     """Each output row is its activation row's dot products alone, in a fixed order: a
     batch of 37 rows gives, bit for bit, each row computed alone (and the integer sums
-    make every x86 variant agree; the generic variant's plain C++ sums its units in
-    another order of floats)."""
-    assert ops.quant_has_int_dot(TYPES[qtype][0], variant)
+    make every x86 variant agree; the plain C++ of the generic and aarch64 variants sums
+    its units in another order of floats)."""
     tid = TYPES[qtype][0]
+    assert ops.quant_has_int_dot(tid, variant)
     raw = blocks(qtype, 24, 768)
     x = torch.randn(37, 768, generator=torch.Generator().manual_seed(1))
     batch = ops.quant_matmul(x, [raw], [tid], 0, variant)
@@ -226,8 +226,8 @@ def test_the_packed_layout_holds_the_same_values(qtype):
 def test_packed_products_equal_the_row_kernels(qtype, variant):
     """The packed kernels compute each row's integer sums exactly as the row kernels do
     (only the float accumulation's rounding may differ), row-invariant too; a variant
-    without packed kernels (generic, aarch64: they pack nothing) multiplies the packed layout by
-    float tiles, as near its int8 row kernels as any float product.
+    without packed kernels (generic, aarch64: they pack nothing) multiplies the packed
+    layout by float tiles, as near its int8 row kernels as any float product.
     40 weight rows: two pairs of groups and an odd group (AVX-512 takes pairs in 512-bit
     vectors); 37, 30 and 27 activation rows: passes of 32 (AVX2's Q6_K), 16, 8, 4, 3, 2 and
     1 rows (from 32 rows, AVX-512 takes two units a row's visit: 25 units a row, for the

@@ -28,13 +28,7 @@ from kvpool.model.gguf_weights import KEPT_QUANTIZED, load_gguf_weights
 from kvpool.model.int4_products import FOUR_BIT, Int4Linear, int4_unavailable
 from kvpool.model.llama import LlamaModel, can_prepack
 from kvpool.model.native import kernel_variant, native_ops, unavailable_reason
-from kvpool.model.products import (
-    BF16_TILES,
-    FLOAT,
-    ProductPolicy,
-    QuantLinear,
-    calibrate,
-)
+from kvpool.model.products import BF16_TILES, FLOAT, ProductPolicy, QuantLinear, calibrate
 from kvpool.model.runner import ModelRunner
 from kvpool.model.tokenizer import Tokenizer
 from kvpool.model_store import resolve_model_path

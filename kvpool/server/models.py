@@ -113,18 +113,12 @@ class ModelRegistry:
         if model is not None:
             return model
         self._can_load(requested)
-        self._exists(requested)
         return None
 
-    @staticmethod
-    def _exists(requested: str) -> None:
-        """404 for a name that resolves to no model file."""
-        try:
-            resolve_model_path(requested)
-        except ModelNotFound as exc:
-            raise APIError(404, str(exc), "not_found_error") from None
-
     def _can_load(self, requested: str) -> None:
+        """404 unless this server loads models on demand and ``requested`` resolves to a
+        model file: whatever the slots hold (a name of no model was a 503 while every slot
+        was busy, or made room by unloading an idle model for nothing)."""
         if self._load is None or self.max_models <= 1:
             raise APIError(
                 404,
@@ -132,15 +126,16 @@ class ModelRegistry:
                 "(start it with --max-models N to load others on demand)",
                 "not_found_error",
             )
+        try:
+            resolve_model_path(requested)
+        except ModelNotFound as exc:
+            raise APIError(404, str(exc), "not_found_error") from None
 
     def _find(self, requested: str) -> ServedModel | None:
         return next((m for m in self.loaded() if m.matches(requested) and not m.unloading), None)
 
     async def _load_new(self, requested: str) -> ServedModel:
         self._can_load(requested)
-        # a name of no model is a 404 whatever the slots hold (it was a 503 while every
-        # slot was busy, or made room by unloading an idle model for nothing)
-        self._exists(requested)
         assert self._load is not None
         while len(self.loaded()) >= self.max_models:
             idle = [m for m in self.extras if m.active == 0 and not m.unloading]
