@@ -1,5 +1,7 @@
-"""The native ops compile for the CPUs this machine is not: 64-bit ARM (aarch64: Graviton,
-Ampere, Apple silicon under Linux), and x86-64 with clang instead of GCC.
+"""The native ops compile for the CPUs and systems this machine is not: 64-bit ARM
+(aarch64: Graviton, Ampere, Apple silicon under Linux), macOS on Apple silicon (without
+OpenMP: Apple's clang has none, so the ops share their work on csrc/parallel.h's own
+pool), and x86-64 with clang instead of GCC.
 
 Every source in ``kvpool/model/csrc`` is cross-compiled with zig's clang (the ``ziglang``
 package, in the dev extra), against this torch's headers. On aarch64 the x86 variants
@@ -49,14 +51,15 @@ def _omp_include(into: Path) -> str | None:
     return str(into)
 
 
-def _compile(source: Path, target: str, omp: str, out_dir: Path) -> tuple[str, int, str]:
+def _compile(source: Path, target: str, omp: str | None, out_dir: Path) -> tuple[str, int, str]:
     include = Path(torch.__file__).parent / "include"
     # std, OpenMP and floating-point flags as kvpool.model.native builds with (torch's
     # loader adds -std=c++20); -O0: every intrinsic and target attribute is still checked
+    openmp = ["-fopenmp", f"-I{omp}"] if omp else []
     cmd = [
         sys.executable, "-m", "ziglang", "c++", "-target", target, "-std=c++20", "-O0",
-        "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wno-ignored-attributes",
-        f"-I{omp}", f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}",
+        *openmp, "-ffp-contract=off", "-fno-math-errno", "-Wno-ignored-attributes",
+        f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}",
         f"-I{sysconfig.get_paths()['include']}", "-DTORCH_EXTENSION_NAME=kvpool_cross",
         "-c", str(source), "-o", str(out_dir / f"{source.stem}.o"),
     ]  # fmt: skip
@@ -66,11 +69,13 @@ def _compile(source: Path, target: str, omp: str, out_dir: Path) -> tuple[str, i
     return source.name, done.returncode, done.stderr
 
 
-@pytest.mark.parametrize("target", ["aarch64-linux-gnu", "x86_64-linux-gnu"])
+@pytest.mark.parametrize("target", ["aarch64-linux-gnu", "x86_64-linux-gnu", "aarch64-macos"])
 def test_every_native_source_compiles_for(target, tmp_path):
-    omp = _omp_include(tmp_path / "omp")
-    if omp is None:
-        pytest.skip("no GCC omp.h to compile the OpenMP sources against")
+    omp = None
+    if "linux" in target:
+        omp = _omp_include(tmp_path / "omp")
+        if omp is None:
+            pytest.skip("no GCC omp.h to compile the OpenMP sources against")
     sources = sorted(CSRC.glob("*.cpp"))
     assert len(sources) >= 10  # the module's sources, not an empty glob
     with ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1))) as pool:

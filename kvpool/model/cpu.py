@@ -4,7 +4,8 @@ it (never by what the machine that built or tested kvpool had).
 Features come from the CPUID instruction through torch's ``cpuinfo`` (what the process
 may really execute: a virtual machine or an emulator that hides AVX-512 hides it here
 too), on aarch64 Linux from the kernel's hardware capabilities (``getauxval``), not from
-``/proc/cpuinfo``, which an emulator passes through from the host.
+``/proc/cpuinfo``, which an emulator passes through from the host; on macOS from its
+``sysctl`` names (``hw.optional.arm.FEAT_DotProd``, ``machdep.cpu.brand_string``).
 ``KVPOOL_CPU_FEATURES`` narrows them for tests and experiments: a comma list of the
 features to keep (``avx2``, or ``none``); it can only take features away.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import sys
 from dataclasses import dataclass, fields
 
 
@@ -69,12 +71,31 @@ def model_name_from(cpuinfo: str) -> str | None:
     return None
 
 
+def _sysctl(name: str) -> bytes | None:
+    """The value of a sysctl name as its bytes (macOS, the BSDs), or None where there is
+    no such name or no sysctlbyname (Linux)."""
+    try:
+        import ctypes
+
+        sysctlbyname = ctypes.CDLL(None).sysctlbyname
+    except (OSError, AttributeError):
+        return None
+    size = ctypes.c_size_t(0)
+    if sysctlbyname(name.encode(), None, ctypes.byref(size), None, 0) != 0 or not size.value:
+        return None
+    buffer = ctypes.create_string_buffer(size.value)
+    if sysctlbyname(name.encode(), buffer, ctypes.byref(size), None, 0) != 0:
+        return None
+    return buffer.raw[: size.value]
+
+
 def _model_name() -> str:
     try:
         with open("/proc/cpuinfo") as info:
             name = model_name_from(info.read())
-    except OSError:
-        name = None
+    except OSError:  # macOS: "Apple M2" and the like
+        brand = _sysctl("machdep.cpu.brand_string")
+        name = brand.rstrip(b"\0").decode(errors="replace").strip() if brand else None
     return name or platform.processor() or "unknown CPU"
 
 
@@ -91,7 +112,7 @@ def _probe(name: str) -> bool:
 def _aarch64_hwcap(bit: int) -> bool:
     """Bit ``bit`` of the kernel's AT_HWCAP for this process (aarch64 Linux; elsewhere
     False)."""
-    if platform.machine() not in ("aarch64", "arm64"):
+    if platform.machine() not in ("aarch64", "arm64") or sys.platform == "darwin":
         return False
     try:
         import ctypes
@@ -102,6 +123,15 @@ def _aarch64_hwcap(bit: int) -> bool:
         return bool(getauxval(16) >> bit & 1)  # AT_HWCAP
     except (OSError, AttributeError):  # not glibc / not Linux
         return False
+
+
+def _macos_arm_feature(name: str) -> bool:
+    """Whether macOS on an Arm CPU reports feature ``name`` (``hw.optional.arm.<name>``
+    is 1); False elsewhere."""
+    if sys.platform != "darwin" or platform.machine() not in ("arm64", "aarch64"):
+        return False
+    value = _sysctl(f"hw.optional.arm.{name}")
+    return value is not None and int.from_bytes(value, "little") != 0
 
 
 def _mkldnn_bf16() -> bool:
@@ -122,7 +152,7 @@ def cpu_features() -> CpuFeatures:
         "avx512_vnni": _probe("_is_avx512_supported") and _probe("_is_vnni_supported"),
         "avx512_bf16": _probe("_is_avx512_bf16_supported"),
         "amx": _probe("_is_amx_tile_supported"),
-        "dotprod": _aarch64_hwcap(20),  # HWCAP_ASIMDDP
+        "dotprod": _aarch64_hwcap(20) or _macos_arm_feature("FEAT_DotProd"),  # HWCAP_ASIMDDP
         "bf16_products": _mkldnn_bf16(),
     }
     keep = os.environ.get("KVPOOL_CPU_FEATURES")

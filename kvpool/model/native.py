@@ -57,14 +57,28 @@ _HEADERS = sorted([*_CSRC.glob("*.h"), *_CSRC.glob("*.inc")])
 # No -march: the module is built for the architecture, and the kernels for each
 # instruction set (isa_*.cpp) are chosen at run time by what the CPU has, so one build
 # serves every CPU of the architecture (a home directory shared by two machines, an
-# emulator). OpenMP from torch's own runtime (libgomp.so.1 is already loaded by torch,
-# so the extension binds to it: one thread pool, the same spin setting).
+# emulator). OpenMP from torch's own runtime where the compiler has it (libgomp.so.1 is
+# already loaded by torch, so the extension binds to it: one thread pool, the same spin
+# setting); see _openmp for where it does not.
 # -ffp-contract=off: a multiply and an add are fused only where a kernel says so (an FMA
 # intrinsic). GCC fuses them by its own choice otherwise (its default for GNU C++), and
 # chose differently for a kernel's 4-row and 1-row forms: Q4_0's and Q5_0's offset terms
 # were rounded once in one and twice in the other, and a row computed alone differed in
 # its last bits from the same row in a batch (seen on an AVX-512 Xeon with GCC 13).
-_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
+_FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off"]
+
+
+def _openmp() -> bool:
+    """Whether the native ops are built with OpenMP. Not on macOS: Apple's clang has no
+    -fopenmp, so the build failed there and every step ran on torch's path; without
+    OpenMP the ops share their work on a thread pool of their own (csrc/parallel.h) and
+    compute the same.
+    ``KVPOOL_NATIVE_OPENMP=0`` builds that way anywhere (tests; a compiler without
+    OpenMP), ``=1`` insists on OpenMP."""
+    setting = os.environ.get("KVPOOL_NATIVE_OPENMP")
+    if setting in ("0", "1"):
+        return setting == "1"
+    return sys.platform != "darwin"
 
 
 def emulating_avx512() -> bool:
@@ -72,12 +86,13 @@ def emulating_avx512() -> bool:
     return os.environ.get("KVPOOL_EMULATE_AVX512", "0") == "1"
 
 
-def _flags() -> list[str]:
+def _flags(openmp: bool) -> list[str]:
+    flags = [*_FLAGS, "-fopenmp"] if openmp else _FLAGS
     if not emulating_avx512():
-        return _FLAGS
+        return flags
     import simde_py  # the dev extra's headers; only the emulation build needs them
 
-    return [*_FLAGS, "-DKVP_SIMDE=1", f"-I{simde_py.get_include()}"]
+    return [*flags, "-DKVP_SIMDE=1", f"-I{simde_py.get_include()}"]
 
 
 def _build_directory(name: str) -> Path | None:
@@ -160,48 +175,115 @@ def _build_log(build_dir: Path | None, text: str) -> Path | None:
         return None
 
 
-@functools.cache
-def native_ops() -> ModuleType | None:
-    """The module of native ops, or None where it is disabled or cannot be built
-    (``unavailable_reason`` then says why; a failed build warns once, in a few lines:
-    its reason, where its log is, and what to install)."""
-    _unavailable.clear()  # (a test may clear the cache and try again)
-    if os.environ.get("KVPOOL_NATIVE", "1") == "0":
-        _unavailable.append("disabled by KVPOOL_NATIVE=0")
-        return None
+class _BuildFailed(Exception):
+    def __init__(self, cause: Exception, build_dir: Path | None) -> None:
+        super().__init__(str(cause))
+        self.build_dir = build_dir
+
+
+def _module_name(flags: list[str]) -> str:
+    """One build per sources, flags, architecture and torch install (its headers' path is
+    in the build file, and another torch needs its own build); not per CPU: the kernels
+    are chosen at run time."""
+    import torch
+
+    key = b"".join(path.read_bytes() for path in [*_SOURCES, *_HEADERS])
+    key += " ".join(flags).encode() + platform.machine().encode()
+    key += f"{torch.__version__} {Path(torch.__file__).parent}".encode()
+    kind = "kvpool_native_emulated_" if emulating_avx512() else "kvpool_native_"
+    return kind + hashlib.sha256(key).hexdigest()[:12]
+
+
+def _build(openmp: bool) -> ModuleType:
+    """The module built with or without OpenMP (torch's loader: compiled once, then
+    loaded from its cache). Raises _BuildFailed."""
     build_dir = None
     try:
-        import torch
         from torch.utils.cpp_extension import load
 
-        # One build per sources, flags, architecture and torch install (its headers'
-        # path is in the build file, and another torch needs its own build); not per
-        # CPU: the kernels are chosen at run time.
-        flags = _flags()
-        key = b"".join(path.read_bytes() for path in [*_SOURCES, *_HEADERS])
-        key += " ".join(flags).encode() + platform.machine().encode()
-        key += f"{torch.__version__} {Path(torch.__file__).parent}".encode()
-        kind = "kvpool_native_emulated_" if emulating_avx512() else "kvpool_native_"
-        name = kind + hashlib.sha256(key).hexdigest()[:12]
+        flags = _flags(openmp)
+        name = _module_name(flags)
         build_dir = _build_directory(name)
         sources = _staged_sources(build_dir)
         _ninja_on_path()
         if build_dir is None or not (build_dir / f"{name}.so").exists():
-            print("kvpool: compiling the native ops (once, ~30 s)...", file=sys.stderr, flush=True)
+            print("kvpool: compiling the native ops (once, ~30 s)...", file=sys.stderr)
         return load(
             name=name, sources=[str(path) for path in sources], extra_cflags=flags,
-            extra_ldflags=["-fopenmp"], verbose=False,
+            extra_ldflags=["-fopenmp"] if openmp else [], verbose=False,
         )  # fmt: skip
     except Exception as exc:  # no compiler, no headers, an unsupported platform
-        reason = _short_reason(exc)
+        raise _BuildFailed(exc, build_dir) from exc
+
+
+def _lacks_openmp(log: str) -> bool:
+    """Whether a failed build's messages say the compiler has no OpenMP (no omp.h, no
+    -fopenmp, no OpenMP library to link), not some other failure. Only the messages: the
+    compile commands themselves all name -fopenmp."""
+    for line in log.splitlines():
+        if len(line) >= 400 or line.lstrip().startswith(("[", "FAILED:")):
+            continue
+        lower = line.lower()
+        if ("error" in lower or "cannot find" in lower or "not found" in lower) and any(
+            word in lower for word in ("omp.h", "openmp", "-lomp", "-lgomp", "-liomp")
+        ):
+            return True
+    return False
+
+
+def _openmp_failed_before() -> Path | None:
+    """The log of an earlier OpenMP build of these sources that failed for want of
+    OpenMP (so this process builds without it at once), or None."""
+    try:
+        build_dir = _build_directory(_module_name(_flags(True)))
+    except Exception:
+        return None
+    log = build_dir / "build-error.log" if build_dir is not None else None
+    try:
+        return log if log is not None and _lacks_openmp(log.read_text()) else None
+    except OSError:
+        return None
+
+
+@functools.cache
+def native_ops() -> ModuleType | None:
+    """The module of native ops, or None where it is disabled or cannot be built
+    (``unavailable_reason`` then says why; a failed build warns once, in a few lines:
+    its reason, where its log is, and what to install). A compiler without OpenMP (where
+    KVPOOL_NATIVE_OPENMP does not insist on it) gets the build without it; the failed
+    build's log, kept, makes later processes skip straight to that one."""
+    _unavailable.clear()  # (a test may clear the cache and try again)
+    if os.environ.get("KVPOOL_NATIVE", "1") == "0":
+        _unavailable.append("disabled by KVPOOL_NATIVE=0")
+        return None
+    openmp = _openmp()
+    may_fall_back = openmp and "KVPOOL_NATIVE_OPENMP" not in os.environ
+    if may_fall_back and _openmp_failed_before() is not None:
+        openmp = False
+    try:
+        try:
+            return _build(openmp)
+        except _BuildFailed as failed:
+            if not (openmp and may_fall_back and _lacks_openmp(str(failed))):
+                raise
+            log = _build_log(failed.build_dir, str(failed))
+            print(
+                f"kvpool: the compiler has no OpenMP ({_short_reason(failed)}); building "
+                "the native ops without it, on a thread pool of their own (once; remove "
+                f"{log or 'the failed build'} after installing OpenMP to use it)",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
+            return _build(False)
+    except _BuildFailed as failed:
+        reason = _short_reason(failed)
         _unavailable.append(f"their build failed: {reason}")
-        log = _build_log(build_dir, str(exc))
+        log = _build_log(failed.build_dir, str(failed))
         where = f"; the whole log: {log}" if log else ""
         advice = (
             "Without them only 4-bit matrices stay quantized (torch's int4 kernels, in "
             "bf16), the others are dequantized at load (2-4 times their memory), and "
-            "every step runs on torch's slower path. Install a C++ compiler with OpenMP "
-            "(g++) and start again: the build runs once."
+            "every step runs on torch's slower path. Install a C++ compiler (g++; on macOS "
+            "Xcode's command line tools) and start again: the build runs once."
         )
         warnings.warn(
             f"kvpool's native kernels did not build ({reason}{where}). {advice}", stacklevel=2

@@ -57,6 +57,8 @@ class ProductPolicy:
         ops = native_ops()
         variant = self.variant or (ops.kernel_variants()[0] if ops is not None else "none")
         kernels = f"{variant} kernels"
+        if ops is not None and ops.threads_from() != "openmp":
+            kernels += "; their own thread pool: a build without OpenMP"
         if self.exact:
             return (
                 f"float products from dequantized tiles, the exact reference ({kernels}; "

@@ -18,6 +18,7 @@
 #endif
 
 #include "native_ops.h"
+#include "parallel.h"
 
 namespace {
 
@@ -102,7 +103,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   auto out = at::empty({rows}, xc.options().dtype(at::kLong));
   const float* xp = xc.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / n), [&](int64_t begin, int64_t end) {
+  kvp::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
   });
   return out;

@@ -2,10 +2,12 @@
 
 #include <torch/extension.h>
 
+#include <string>
 #include <tuple>
 
 #include "decode_layers.h"
 #include "native_ops.h"
+#include "parallel.h"
 
 namespace {
 
@@ -51,6 +53,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows,
         "each row's argmax as torch.argmax(x, -1) gives it (first index; NaN counts highest)");
   m.def("kernel_variants", &kernel_variants, "the kernel variants this CPU runs, fastest first");
+  m.def("threads_from", [] { return kvp::kOpenMP ? std::string("openmp") : std::string("own pool"); },
+        "whose threads the ops share their work among: torch's OpenMP pool, or kvp's own "
+        "(a build without OpenMP)");
+  m.def("parallel_chunks", [](int64_t begin, int64_t end, int64_t grain) {
+    std::vector<std::tuple<int64_t, int64_t, bool, int64_t>> chunks(end > begin ? end - begin : 0);
+    kvp::parallel_for(begin, end, grain, [&](int64_t from, int64_t to) {
+      const bool nested = kvp::in_parallel_region();
+      for (int64_t i = from; i < to; ++i) {
+        auto& [f, t, n, visits] = chunks[i - begin];
+        f = from, t = to, n = nested, ++visits;
+      }
+    });
+    return chunks;
+  }, "for tests: each index of a parallel_for's chunk (from, to, in a parallel region) and "
+     "how many times it was passed");
+  m.def("parallel_raises", [](int64_t n, int64_t bad) {
+    kvp::parallel_for(0, n, 1, [&](int64_t from, int64_t to) {
+      TORCH_CHECK(!(from <= bad && bad < to), "index ", bad, " refused");
+    });
+  }, "for tests: a parallel_for whose chunk holding index bad throws");
   m.def("quant_dequantize", &quant_dequantize, "rows of GGUF blocks to float32 [rows, K]",
         py::arg("raw"), py::arg("qtype"), py::arg("k"), py::arg("variant") = "",
         py::arg("rows") = py::none());

@@ -24,6 +24,7 @@
 
 #include "isa_select.h"
 #include "native_ops.h"
+#include "parallel.h"
 
 namespace {
 
@@ -49,7 +50,7 @@ void rope_write_kv_impl(const kvp::RowKernels* k, const at::Tensor& qkv, const a
   const int64_t* slot = slots.data_ptr<int64_t>();
   T* store = layer_kv.data_ptr<T>();
   T* q_out = q.data_ptr<T>();
-  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+  kvp::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* row = src + t * width;
       const T* ct = c + t * dim;
@@ -121,7 +122,7 @@ void rope_write_kv_convert(const kvp::RowKernels* k, const at::Tensor& qkv, cons
   const int64_t* slot = slots.data_ptr<int64_t>();
   auto* store = static_cast<uint8_t*>(layer_kv.data_ptr());
   T* q_out = q.data_ptr<T>();
-  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+  kvp::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> row(dim);
     std::vector<T> rotated_k(dim);
     for (int64_t t = begin; t < end; ++t) {
@@ -171,7 +172,7 @@ at::Tensor add_rms_norm_(at::Tensor& x, const c10::optional<at::Tensor>& y, cons
   const auto* yp = y.has_value() ? static_cast<const uint8_t*>(y->data_ptr()) : nullptr;
   auto* hp = static_cast<uint8_t*>(h.data_ptr());
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+  kvp::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
     const int64_t at = begin * n * size;
     k->add_rms_norm(bf16, xp + at, yp ? yp + at : nullptr, weight.data_ptr(), end - begin, n,
                     static_cast<float>(eps), hp + at);
@@ -234,7 +235,7 @@ at::Tensor head_rms_norm(const at::Tensor& qkv, const at::Tensor& q_weight,
   auto* op = static_cast<uint8_t*>(out.data_ptr());
   const bool bf16 = qkv.scalar_type() == at::kBFloat16;
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, qkv.size(0), 8, [&](int64_t begin, int64_t end) {
+  kvp::parallel_for(0, qkv.size(0), 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       uint8_t* row = in + t * width * size;
       uint8_t* dst = op + t * width * size;
@@ -258,7 +259,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up, const std::string& variant) {
   const bool bf16 = gate_up.scalar_type() == at::kBFloat16;
   // rows by the grain of 2^14 values each at least (a thread's start costs microseconds)
   const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, n));
-  at::parallel_for(0, gate_up.size(0), grain, [&](int64_t begin, int64_t end) {
+  kvp::parallel_for(0, gate_up.size(0), grain, [&](int64_t begin, int64_t end) {
     k->silu_mul(bf16, in + begin * 2 * n * size, end - begin, n, op + begin * n * size);
   });
   return out;

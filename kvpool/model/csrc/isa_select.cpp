@@ -1,6 +1,7 @@
 // The choice of kernel variant by what the CPU has (CPUID, through the compiler's
-// __builtin_cpu_supports; on aarch64 Linux the kernel's hardware capabilities): the
-// module is built once per architecture, never for the machine that happened to build it.
+// __builtin_cpu_supports; on aarch64 Linux the kernel's hardware capabilities, on macOS
+// its sysctl names): the module is built once per architecture, never for the machine
+// that happened to build it.
 
 #include "isa_select.h"
 
@@ -8,6 +9,8 @@
 
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
+#elif defined(__aarch64__) && defined(__APPLE__)
+#include <sys/sysctl.h>
 #endif
 
 namespace kvp {
@@ -30,6 +33,14 @@ bool has(const char* feature) {
 #elif defined(__aarch64__) && defined(__linux__)
   // HWCAP_ASIMDDP: the SDOT / UDOT instructions
   if (std::string(feature) == "aarch64-dotprod") return (getauxval(AT_HWCAP) & (1UL << 20)) != 0;
+#elif defined(__aarch64__) && defined(__APPLE__)
+  // macOS names each Arm feature in sysctl (every Apple M-series CPU has the dot products)
+  if (std::string(feature) == "aarch64-dotprod") {
+    int value = 0;
+    size_t size = sizeof(value);
+    return sysctlbyname("hw.optional.arm.FEAT_DotProd", &value, &size, nullptr, 0) == 0 &&
+           value != 0;
+  }
 #else
   (void)feature;
 #endif

@@ -15,6 +15,7 @@
 
 #include "decode_layers.h"
 #include "native_ops.h"
+#include "parallel.h"
 
 namespace kvp {
 
@@ -68,7 +69,7 @@ at::Tensor MixtureOfExperts::run(const at::Tensor& h, int64_t mode, int64_t int8
   std::vector<float> weight(tokens * k);
   // tokens by the grain of ~2^18 multiply-adds each (a thread's start costs microseconds)
   const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, experts * hidden));
-  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+  kvp::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> l(experts);
     std::vector<int64_t> order(experts);
     for (int64_t t = begin; t < end; ++t) {

@@ -26,6 +26,7 @@
 
 #include "isa_select.h"
 #include "native_ops.h"
+#include "parallel.h"
 
 namespace {
 
@@ -74,7 +75,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer_k
   int64_t longest = 0;
   for (int64_t i = 0; i < lens.numel(); ++i) longest = std::max(longest, l[i]);
   const int64_t scratch = group * (longest + 2 * args.dim + 128) + args.dim;
-  at::parallel_for(0, q.size(0) * args.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  kvp::parallel_for(0, q.size(0) * args.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(scratch);
     kernels->run(&args, begin, end, buffer.data());
   });
@@ -155,9 +156,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& layer_kv,
                        window};
   const int64_t items = static_cast<int64_t>(tiles.size() / 2) * args.kv_heads;
   const int64_t scratch = kvp::varlen_scratch(args);
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
+  const int64_t workers = std::min<int64_t>(kvp::num_threads(), items);
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  kvp::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> buffer(scratch);
     for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items;)
       kernels->run_varlen(&args, item, item + 1, buffer.data());

@@ -36,6 +36,7 @@
 #include "quant_blocks.h"
 #include "isa_select.h"
 #include "native_ops.h"
+#include "parallel.h"
 #include "quant_kernels.h"
 #include "quant_packed.h"
 
@@ -145,7 +146,7 @@ at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype, const c10::optional<
   }
   const uint8_t* in = raw.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
-  at::parallel_for(0, out.size(0), 16, [&](int64_t begin, int64_t end) {
+  kvp::parallel_for(0, out.size(0), 16, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
       kvp::pack_group(t, in + g * kvp::kGroup * row_bytes, row_bytes, o + g * group_bytes);
   });
@@ -168,14 +169,14 @@ at::Tensor quant_dequantize(const at::Tensor& raw, int64_t qtype, int64_t k, con
       TORCH_CHECK(id[i] >= 0 && id[i] < p.rows, "row ", id[i], " out of the matrix");
     auto out = at::empty({ids.numel(), k}, at::kFloat);
     float* o = out.data_ptr<float>();
-    at::parallel_for(0, ids.numel(), 16, [&](int64_t begin, int64_t end) {
+    kvp::parallel_for(0, ids.numel(), 16, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) dequantize_part(t, p, id[i], 1, k, o + i * k);
     });
     return out;
   }
   auto out = at::empty({p.rows, k}, at::kFloat);
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, p.rows, 64, [&](int64_t begin, int64_t end) {
+  kvp::parallel_for(0, p.rows, 64, [&](int64_t begin, int64_t end) {
     dequantize_part(t, p, begin, end - begin, k, o + begin * k);
   });
   return out;
@@ -201,7 +202,7 @@ T* buffer_for(std::vector<T>& scratch, at::Tensor& keep, int64_t n, at::ScalarTy
 // dst[i] = src[i] converted, over the threads when large.
 template <class S, class D>
 void convert(const S* src, D* dst, int64_t n) {
-  at::parallel_for(0, n, 1 << 15, [&](int64_t begin, int64_t end) {
+  kvp::parallel_for(0, n, 1 << 15, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) dst[i] = static_cast<D>(src[i]);
   });
 }
@@ -227,8 +228,10 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   // so, rounded a tile's sums differently from call to call (seen under emulation: the
   // same product differed in its last bits between runs on two threads), which breaks
   // "the same bits on any number of threads" that the thread policy rests on; float_dot
-  // then multiplies the tiles.
-  const bool gemm_tiles = m >= kGemmRows && at::hasMKL();
+  // then multiplies the tiles. And only inside OpenMP's region, where torch and MKL see
+  // it and multiply each tile on its one thread: from kvp's own pool's workers (a build
+  // without OpenMP) every call would start a team of its own.
+  const bool gemm_tiles = m >= kGemmRows && at::hasMKL() && kvp::kOpenMP;
   const bool bf16_tiles = mode == 2 && gemm_tiles;
   const auto x16 = bf16_tiles ? x_in.to(at::kBFloat16).contiguous() : at::Tensor();
   auto y = at::empty({m, n_total}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
@@ -279,7 +282,7 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
     int32_t* off4 = offsets ? buffer_for(o_scratch, o_keep, m * (k / 32) * 3, at::kInt) : nullptr;
     int32_t* off6 = offsets ? off4 + m * (k / 32) : nullptr;
     const int64_t grain = std::max<int64_t>(1, kQuantizeValues / k);
-    at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
+    kvp::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
       // bf16 activations without a float32 copy: widened grain rows at a time (rows are
       // quantized independently, so any split gives the same blocks)
       static thread_local std::vector<float> widened;
@@ -384,12 +387,12 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   // run does (fewer, longer runs where the weights stream from memory: kStreamRows).
   // Each output is computed by one item in a fixed order, so the results do not depend
   // on which thread took it.
-  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  const int64_t threads = kvp::in_parallel_region() ? 1 : kvp::num_threads();
   const int64_t runs_per_thread = m <= kStreamRows ? kStreamRuns : kRunsPerThread;
   const int64_t run = std::max<int64_t>(1, items / (threads * runs_per_thread));
   const int64_t workers = std::min(threads, (items + run - 1) / run);
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  kvp::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> buffer;
     // an item's sums for a bf16 y: 8 KiB for an integer item, M x 64 floats for a float one
     static thread_local std::vector<float> tile;
