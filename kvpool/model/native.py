@@ -40,6 +40,7 @@ The runtime then counts them runnable and chooses them like any other.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -47,7 +48,7 @@ import platform
 import shutil
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -194,6 +195,35 @@ def _module_name(flags: list[str]) -> str:
     return kind + hashlib.sha256(key).hexdigest()[:12]
 
 
+@contextlib.contextmanager
+def _building_alone(build_dir: Path | None) -> Iterator[None]:
+    """Holds a lock on the build directory while torch's loader builds or loads there.
+    The loader's own lock is a file whose existence is the lock: a build killed midway
+    (Ctrl-C during the first start) left it, and every later start, a cached build's
+    too, waited for it for ever without a word. This lock (flock) the system releases
+    when its process ends; while this process holds it no other kvpool process is in
+    the loader here, so a loader's lock file found is a leftover, and is removed."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    if build_dir is None:
+        yield
+        return
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "kvpool-build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes or the process ends
+        leftover = build_dir / "lock"
+        if leftover.exists():
+            print(
+                f"kvpool: removing {leftover}, left by a build that did not finish",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
+            leftover.unlink(missing_ok=True)
+        yield
+
+
 def _build(openmp: bool) -> ModuleType:
     """The module built with or without OpenMP (torch's loader: compiled once, then
     loaded from its cache). Raises _BuildFailed."""
@@ -206,12 +236,13 @@ def _build(openmp: bool) -> ModuleType:
         build_dir = _build_directory(name)
         sources = _staged_sources(build_dir)
         _ninja_on_path()
-        if build_dir is None or not (build_dir / f"{name}.so").exists():
-            print("kvpool: compiling the native ops (once, ~30 s)...", file=sys.stderr)
-        return load(
-            name=name, sources=[str(path) for path in sources], extra_cflags=flags,
-            extra_ldflags=["-fopenmp"] if openmp else [], verbose=False,
-        )  # fmt: skip
+        with _building_alone(build_dir):
+            if build_dir is None or not (build_dir / f"{name}.so").exists():
+                print("kvpool: compiling the native ops (once, ~30 s)...", file=sys.stderr)
+            return load(
+                name=name, sources=[str(path) for path in sources], extra_cflags=flags,
+                extra_ldflags=["-fopenmp"] if openmp else [], verbose=False,
+            )  # fmt: skip
     except Exception as exc:  # no compiler, no headers, an unsupported platform
         raise _BuildFailed(exc, build_dir) from exc
 
