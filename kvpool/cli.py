@@ -236,9 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="model: a GGUF file or name (default: the built-in model); serve: model name",
     )  # fmt: skip
     bench.add_argument(
-        "--against", nargs="+", default=None, choices=["transformers", "llama.cpp"],
+        "--against", nargs="+", default=None,
+        choices=["transformers", "llama.cpp", "no-openmp"],
         help="model: the other sides (default: llama.cpp where found, and transformers for "
-        "files under 1 GiB)",
+        "files under 1 GiB; no-openmp: kvpool built without OpenMP, on its own thread pool)",
     )  # fmt: skip
     bench.add_argument(
         "--llama-cpp", default=None, metavar="DIR",

@@ -4,6 +4,8 @@ the statistic its docstring names."""
 
 from __future__ import annotations
 
+import os
+
 from kvpool.bench import model
 
 
@@ -78,6 +80,29 @@ def test_thread_counts_alternate_and_each_side_gets_its_count(monkeypatch, tmp_p
 def test_a_sides_environment_carries_its_thread_count():
     assert model._side_env("kvpool", 3)["OMP_NUM_THREADS"] == "3"
     assert model._side_env("transformers", 5)["OMP_NUM_THREADS"] == "5"
+    # kvpool a second time, its native ops built without OpenMP (their own thread pool)
+    assert model._side_env("no-openmp", 2)["KVPOOL_NATIVE_OPENMP"] == "0"
+    assert model._side_env("kvpool").get("KVPOOL_NATIVE_OPENMP") == os.environ.get(
+        "KVPOOL_NATIVE_OPENMP"
+    )
+
+
+def test_the_no_openmp_side_is_built_before_any_round(monkeypatch, tmp_path):
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"\0" * 1024)
+    monkeypatch.setattr(model, "BATCHES", (1,))
+    monkeypatch.setattr("kvpool.model_store.resolve_model_path", lambda m: path)
+    order: list[str] = []
+    monkeypatch.setattr(model, "_build_without_openmp", lambda: order.append("build"))
+
+    def child(side, dtype, m, threads):
+        order.append(side)
+        return {"load_s": 1.0, "prefill_tok_s": 9.0, "decode_b1_tok_s": 3.0, "peak_rss_mib": 1.0}
+
+    monkeypatch.setattr(model, "_child_side", child)
+    out = model.run(rounds=2, model="m", against=["no-openmp"])
+    assert order == ["build", "kvpool", "no-openmp", "kvpool", "no-openmp"]
+    assert "no-openmp" in out.splitlines()[2] and "1.00x" in out
 
 
 def test_thread_counts_beyond_the_machine_are_refused(capsys):

@@ -20,6 +20,11 @@ by side: how each side's figures grow with cores). Each side runs with its own
 defaults: kvpool's OpenMP settings (``kvpool/__init__.py``) come with importing kvpool,
 transformers gets libgomp's (unless the user set them).
 
+``--against no-openmp`` measures kvpool a second time, built without OpenMP (its native
+ops on their own thread pool, ``csrc/parallel.h``: macOS's build; on Linux a choice to
+measure, e.g. on many cores), as a side of its own; that build is made before the
+rounds, so no round's load time holds it.
+
 The two sides alternate over several rounds (kvpool, transformers, kvpool, ...) and each
 figure is the median over rounds: the shared machines this is measured on have slow
 phases lasting tens of seconds (the same decode step can take 1.4x as long in one),
@@ -198,7 +203,8 @@ def _measure_side(side: str, dtype: str | None, model: str | None) -> None:
     """Child process: measure one side and print its figures as JSON."""
     import torch
 
-    figures = _ours(dtype, model) if side == "kvpool" else _transformers(dtype, model)
+    ours = side in ("kvpool", "no-openmp")
+    figures = _ours(dtype, model) if ours else _transformers(dtype, model)
     figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if torch.cuda.is_initialized():  # what the side's tensors took on the GPU at most
         figures["peak_gpu_mib"] = torch.cuda.max_memory_allocated() / 2**20
@@ -211,9 +217,19 @@ def _side_env(side: str, threads: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     if side == "transformers" and kvpool.openmp_defaults_applied:
         env["GOMP_SPINCOUNT"] = "300000"  # libgomp's own default, as torch alone runs
+    if side == "no-openmp":
+        env["KVPOOL_NATIVE_OPENMP"] = "0"
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
+
+
+def _build_without_openmp() -> None:
+    """The no-openmp side's native build, made (or found) before any round is timed."""
+    print("bench model: building kvpool's native ops without OpenMP...", file=sys.stderr)
+    code = "from kvpool.model.native import native_ops, unavailable_reason\n"
+    code += "assert native_ops() is not None, unavailable_reason()"
+    subprocess.run([sys.executable, "-c", code], check=True, env=_side_env("no-openmp"))
 
 
 def default_threads() -> int:
@@ -275,6 +291,8 @@ def run(
         raise SystemExit("kvpool: llama.cpp not found (--llama-cpp DIR or $KVPOOL_LLAMA_CPP)")
     counts = list(threads) if threads else [default_threads()]
     sides = ["kvpool", *against]
+    if "no-openmp" in sides:
+        _build_without_openmp()
     runs: dict[tuple[int, str], list[dict[str, float]]] = {}
     for r in range(rounds):
         for n in counts:
