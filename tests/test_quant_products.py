@@ -260,7 +260,9 @@ def test_products_are_the_same_on_any_number_of_threads(rows, variant):
     """Threads take runs of tiles from a shared counter, so which thread computes which
     outputs changes from call to call; the outputs do not: bit for bit the same on 1 to 4
     threads (more threads than this machine's cores included), for integer, float and
-    bf16-tile products of packed and row-layout parts of different formats in one call."""
+    bf16-tile products of packed and row-layout parts of different formats in one call.
+    Each count twice: a thread's first tile is where torch's per-thread start reset the
+    thread count oneDNN's bf16 matmul planned by (seen on an AMX Xeon)."""
     specs = [("Q4_0", 72, True), ("Q6_K", 40, True), ("Q4_K", 24, False), ("Q8_0", 48, True)]
     raws, tids = mixed_parts(specs, 512, 10, variant)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
@@ -269,9 +271,35 @@ def test_products_are_the_same_on_any_number_of_threads(rows, variant):
         for mode in (0, 1, 2):
             for dtype in (torch.float32, torch.bfloat16):
                 got = []
-                for n in (1, 2, 3, 4):
+                for n in (1, 2, 3, 4) * 2:
                     torch.set_num_threads(n)
                     got.append(ops.quant_matmul(x.to(dtype), raws, tids, mode, variant, True))
+                assert all(torch.equal(g, got[0]) for g in got[1:]), (mode, dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    "specs",
+    [[("Q8_0", 64, True)], [("Q4_K", 64, False)], [("Q4_K", 256, False), ("Q6_K", 128, True)]],
+    ids=["one-Q8_0-tile", "one-Q4_K-tile", "six-tiles"],
+)
+def test_large_float_products_are_the_same_on_any_number_of_threads(specs):
+    """Float and bf16 tiles at a real model's K (2,048) and 300 rows, where torch's at::mm
+    of a tile planned by the thread count (oneDNN's bf16 matmul by the OpenMP team's size,
+    MKL's sgemm by its own count outside a region): on an AMX Xeon 1 and 2 threads gave
+    other bits (in the engine, its thread policy's modes would have). Each tile's library
+    call plans for and runs on its one thread, so 1 to 4 threads agree."""
+    raws, tids = mixed_parts(specs, 2048, 3)
+    x = torch.randn(300, 2048, generator=torch.Generator().manual_seed(300))
+    threads = torch.get_num_threads()
+    try:
+        for mode in (1, 2):
+            for dtype in (torch.float32, torch.bfloat16):
+                got = []
+                for n in (1, 2, 3, 4, 2):
+                    torch.set_num_threads(n)
+                    got.append(ops.quant_matmul(x.to(dtype), raws, tids, mode, "", True))
                 assert all(torch.equal(g, got[0]) for g in got[1:]), (mode, dtype)
     finally:
         torch.set_num_threads(threads)

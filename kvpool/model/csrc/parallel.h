@@ -23,6 +23,10 @@
 #include <cstdint>
 #include <functional>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 namespace kvp {
 
 #ifdef _OPENMP
@@ -56,5 +60,47 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) 
 
 // The number of threads a parallel_for shares its range among, outside one.
 inline int64_t num_threads() { return at::get_num_threads(); }
+
+// For its lifetime, a library called from a work item (torch's at::mm: MKL, oneDNN)
+// plans for and runs on the one thread it is called on, whatever the thread count, so
+// its order of sums is the same on any number of threads. Inside an OpenMP region
+// omp_get_max_threads() still answers the team's size, and oneDNN's bf16 matmul plans by
+// it before running the plan on its one thread (on an AMX Xeon a 130-row tile planned for
+// 3 or 4 threads summed in another order than for 1 or 2: other last bits); outside an
+// active region (a product of one work item) MKL's sgemm runs on MKL's own count of
+// threads, in another order (K = 2,048: other bits than on one thread). Both counts set here are the calling thread's
+// own (OpenMP's per task, MKL's thread-local one) and are restored on exit. Without
+// OpenMP nothing: no tile goes to such a library there.
+#ifdef _OPENMP
+// MKL's, where torch's build has it (its x86 builds export it); null elsewhere. The C
+// function (mkl_service.h maps mkl_set_num_threads_local to it): the lower-case symbol
+// is the Fortran interface, which takes a pointer.
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+#endif
+
+class OneThreadForLibraries {
+ public:
+#ifdef _OPENMP
+  OneThreadForLibraries() {
+    // torch's own per-thread start first: the first torch call on a thread (an OpenMP
+    // worker's first tile) sets the thread's OpenMP count to torch's, which inside at::mm
+    // would undo the count set below (at::get_num_threads runs it, once per thread)
+    at::get_num_threads();
+    saved_omp_ = omp_get_max_threads();
+    omp_set_num_threads(1);
+    if (MKL_Set_Num_Threads_Local) saved_mkl_ = MKL_Set_Num_Threads_Local(1);
+  }
+  ~OneThreadForLibraries() {
+    omp_set_num_threads(saved_omp_);
+    if (MKL_Set_Num_Threads_Local) MKL_Set_Num_Threads_Local(saved_mkl_);  // 0: MKL's global
+  }
+  OneThreadForLibraries(const OneThreadForLibraries&) = delete;
+  OneThreadForLibraries& operator=(const OneThreadForLibraries&) = delete;
+
+ private:
+  int saved_omp_ = 1;
+  int saved_mkl_ = 0;
+#endif
+};
 
 }  // namespace kvp
