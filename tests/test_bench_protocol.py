@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from kvpool.bench import model
 
 
@@ -141,3 +143,53 @@ def test_the_policy_line_puts_each_kinds_fastest_mode_first():
         "decode <2 tokens: all 56.30, split 73.70, one 100.70; "
         "decode <32 tokens: all 4.25, one 9.00"
     )
+
+
+def test_a_llama_cpp_that_crashes_is_named_and_its_column_left_empty(monkeypatch, tmp_path, capsys):
+    """A llama-bench that dies (a llama.cpp build whose AMX path crashes on such a CPU)
+    ends its side with a line saying how and why, not the whole comparison: kvpool's
+    figures are still measured and printed, llama.cpp's cells are empty, and a tool that
+    crashed is not started again in later rounds."""
+    from kvpool.bench import llama_cpp
+
+    fake = tmp_path / "llama-bench"
+    fake.write_text("#!/bin/sh\necho 'load_backend: loaded CPU backend' >&2\nkill -SEGV $$\n")
+    fake.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"\0" * 1024)
+    with pytest.raises(llama_cpp.LlamaCppFailed) as failed:
+        llama_cpp.bench(tmp_path, gguf, 2, 512, 16)
+    assert str(failed.value) == (
+        "llama-bench died of SIGSEGV on m.gguf; its last line: load_backend: loaded CPU backend"
+    )
+
+    monkeypatch.setattr(model, "BATCHES", (1,))
+    monkeypatch.setattr("kvpool.model_store.resolve_model_path", lambda m: gguf)
+    monkeypatch.setattr(llama_cpp, "find", lambda given: tmp_path)
+    order: list[str] = []
+
+    def child(side, dtype, m, threads):
+        order.append(side)
+        return {"load_s": 1.0, "prefill_tok_s": 30.0, "decode_b1_tok_s": 20.0,
+                "peak_rss_mib": 100.0}  # fmt: skip
+
+    def theirs(bin_dir, m, threads):
+        order.append("llama.cpp")
+        return llama_cpp.bench(bin_dir, gguf, threads, 512, 16)
+
+    monkeypatch.setattr(model, "_child_side", child)
+    monkeypatch.setattr(model, "_llama_cpp_side", theirs)
+    out = model.run(rounds=2, model="m", against=["llama.cpp"])
+    assert order == ["kvpool", "llama.cpp", "kvpool"]
+    rows = {line[:24].strip(): line[24:].split() for line in out.splitlines()[3:-1]}
+    assert rows["prefill 512 tok/s"] == ["30.0", "nan", "nanx"]
+    assert rows["decode batch 1 tok/s"] == ["20.0", "nan", "nanx"]
+    err = capsys.readouterr().err
+    assert "llama.cpp gave no figures (llama-bench died of SIGSEGV on m.gguf" in err
+    from kvpool.model.cpu import cpu_features
+
+    assert ("This CPU has AMX" in err) == cpu_features().amx
+    monkeypatch.setattr(model, "_amx_hint", lambda: "")
+    order.clear()
+    model.run(rounds=1, model="m", against=["llama.cpp"])
+    assert "left empty (nan)\n" in capsys.readouterr().err  # no AMX: no advice about it

@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -32,6 +33,25 @@ def find(given: str | None) -> Path | None:
     return Path(found).parent if found else None
 
 
+class LlamaCppFailed(RuntimeError):
+    """llama.cpp's tool ended without its figures (a crash, an error): the message says
+    which tool, how it ended and its last words."""
+
+
+def _how_it_ended(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"died of {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"died of signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+def _last_line(text: str | None) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return f"; its last line: {lines[-1][:200]}" if lines else ""
+
+
 def _env(bin_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = f"{bin_dir}:{env.get('LD_LIBRARY_PATH', '')}"
@@ -39,12 +59,18 @@ def _env(bin_dir: Path) -> dict[str, str]:
 
 
 def bench(bin_dir: Path, model: Path, threads: int, prefill: int, decode: int) -> dict:
-    """Prefill and batch-1 decode tokens/s from ``llama-bench`` (3 repetitions, mean)."""
+    """Prefill and batch-1 decode tokens/s from ``llama-bench`` (3 repetitions, mean).
+    Raises LlamaCppFailed where it ends without them (a build whose AMX path crashes,
+    on a CPU with AMX, dies of SIGSEGV)."""
     out = subprocess.run(
         [str(bin_dir / "llama-bench"), "-m", str(model), "-t", str(threads), "-fa", "0",
          "-p", str(prefill), "-n", str(decode), "-r", "3", "-o", "json"],
-        capture_output=True, text=True, check=True, env=_env(bin_dir),
+        capture_output=True, text=True, env=_env(bin_dir),
     )  # fmt: skip
+    if out.returncode != 0:
+        raise LlamaCppFailed(
+            f"llama-bench {_how_it_ended(out.returncode)} on {model.name}{_last_line(out.stderr)}"
+        )
     rows = json.loads(out.stdout)
     result = {}
     for row in rows:
@@ -95,7 +121,9 @@ def serve(
         deadline = time.monotonic() + 600
         while True:  # it answers 503 while loading: poll for 200
             if proc.poll() is not None:
-                raise RuntimeError("llama-server exited while loading")
+                raise LlamaCppFailed(
+                    f"llama-server {_how_it_ended(proc.returncode)} while loading {model.name}"
+                )
             try:
                 if httpx.get(f"{url}/health", timeout=5).status_code == 200:
                     break

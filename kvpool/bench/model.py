@@ -294,22 +294,31 @@ def run(
     if "no-openmp" in sides:
         _build_without_openmp()
     runs: dict[tuple[int, str], list[dict[str, float]]] = {}
+    failed: set[int] = set()  # the thread counts at which llama.cpp gave no figures
     for r in range(rounds):
         for n in counts:
             for side in sides:
+                if side == "llama.cpp" and n in failed:
+                    runs[n, side].append({})  # (it failed in an earlier round: not again)
+                    continue
                 print(
                     f"bench model: round {r + 1}/{rounds}, {_threads(n)}, measuring {side}...",
                     file=sys.stderr, flush=True,
                 )  # fmt: skip
-                runs.setdefault((n, side), []).append(
-                    _llama_cpp_side(bin_dir, model, n)
-                    if side == "llama.cpp"
-                    else _child_side(side, dtype, model, n if threads else None)
-                )
-    medians = {
-        key: {figure: statistics.median(r[figure] for r in results) for figure in results[0]}
-        for key, results in runs.items()
-    }
+                if side != "llama.cpp":
+                    figures = _child_side(side, dtype, model, n if threads else None)
+                else:
+                    try:
+                        figures = _llama_cpp_side(bin_dir, model, n)
+                    except llama_cpp.LlamaCppFailed as exc:
+                        failed.add(n)
+                        print(
+                            f"bench model: llama.cpp gave no figures ({exc}); its column is "
+                            f"left empty (nan){_amx_hint()}", file=sys.stderr, flush=True,
+                        )  # fmt: skip
+                        figures = {}
+                runs.setdefault((n, side), []).append(figures)
+    medians = {key: _medians(results) for key, results in runs.items()}
     tables = [
         _table(path, dtype, rounds, n, {side: medians[n, side] for side in sides}, against)
         for n in counts
@@ -317,6 +326,25 @@ def run(
     if len(counts) > 1:
         tables.append(_threads_table(counts, medians, against[0] if against else None))
     return "\n\n".join(tables)
+
+
+def _amx_hint() -> str:
+    """Where the CPU has AMX: llama.cpp's AMX path (GGML_NATIVE=ON takes it there) crashed
+    on such a CPU with GCC 12 (docs/performance.md, thirty-fifth session)."""
+    from kvpool.model.cpu import cpu_features
+
+    if not cpu_features().amx:
+        return ""
+    return (
+        ". This CPU has AMX: a llama.cpp built with its AMX path may crash on it; build it "
+        "with GGML_NATIVE=OFF, the AVX-512 options on and GGML_AMX_TILE/INT8/BF16=OFF"
+    )
+
+
+def _medians(results: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over the rounds that gave it (a side that failed gave {})."""
+    names = {name: None for result in results for name in result}
+    return {name: statistics.median(r[name] for r in results if name in r) for name in names}
 
 
 def _threads(n: int) -> str:
