@@ -219,6 +219,16 @@ def test_the_packed_layout_holds_the_same_values(qtype):
     rows = torch.tensor([23, 0, 9, 9])
     got = ops.quant_dequantize(packed, tid | PACKED, 512, "", rows).numpy()
     assert np.array_equal(got, want[rows.numpy()])
+    # 200 rows on 2 threads: chunks of 100, whole groups then single rows (Q4_0's groups
+    # go through a loop of their own), and a chunk starting inside a group
+    raw = blocks(qtype, 200, 512, seed=4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        got = ops.quant_dequantize(ops.quant_pack(raw, tid), tid | PACKED, 512).numpy()
+    finally:
+        torch.set_num_threads(threads)
+    assert np.array_equal(got, dequantize(raw.numpy(), GGMLQuantizationType(tid)))
 
 
 @pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])

@@ -89,6 +89,13 @@ void dequantize_part(const QuantKernels* t, const Part& p, int64_t first, int64_
     return;
   }
   const int64_t group_bytes = kvp::group_bytes(p.type, k);
+  if (p.type == kvp::kQ4_0) {  // whole groups a vector loop at a time
+    for (; first % kvp::kGroup == 0 && count >= kvp::kGroup; first += kvp::kGroup) {
+      kvp::dequantize_packed_group_q4_0(p.raw + (first / kvp::kGroup) * group_bytes, k, out, k);
+      out += kvp::kGroup * k;
+      count -= kvp::kGroup;
+    }
+  }
   for (int64_t n = first; n < first + count; ++n)
     kvp::dequantize_packed_row(p.type, p.raw + (n / kvp::kGroup) * group_bytes, k,
                                static_cast<int>(n % kvp::kGroup), out + (n - first) * k);
