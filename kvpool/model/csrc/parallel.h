@@ -68,9 +68,9 @@ inline int64_t num_threads() { return at::get_num_threads(); }
 // it before running the plan on its one thread (on an AMX Xeon a 130-row tile planned for
 // 3 or 4 threads summed in another order than for 1 or 2: other last bits); outside an
 // active region (a product of one work item) MKL's sgemm runs on MKL's own count of
-// threads, in another order (K = 2,048: other bits than on one thread). Both counts set here are the calling thread's
-// own (OpenMP's per task, MKL's thread-local one) and are restored on exit. Without
-// OpenMP nothing: no tile goes to such a library there.
+// threads, in another order (K = 2,048: other bits than on one thread). Both counts set
+// here are the calling thread's own (OpenMP's per task, MKL's thread-local one) and are
+// restored on exit. Without OpenMP nothing: no tile goes to such a library there.
 #ifdef _OPENMP
 // MKL's, where torch's build has it (its x86 builds export it); null elsewhere. The C
 // function (mkl_service.h maps mkl_set_num_threads_local to it): the lower-case symbol

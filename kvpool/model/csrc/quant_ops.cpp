@@ -350,20 +350,19 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
       dequantize_part(t, p, task.row, task.rows, k, buffer.data());
       const int64_t col = p.offset + task.row;
       const auto [out, ldo] = target(tile, 0, col, m, task.rows);
-      if (bf16_tiles) {
-        const kvp::OneThreadForLibraries one_thread;
-        auto wt = at::from_blob(buffer.data(), {task.rows, k}, at::kFloat).to(at::kBFloat16);
-        auto yt = at::from_blob(out, {m, task.rows}, {ldo, 1}, at::kFloat);
-        yt.copy_(at::mm(x16, wt.t()));
-      } else if (gemm_tiles && mode != 0) {
+      if (gemm_tiles && mode != 0) {  // (bf16_tiles: mode 2)
         // (not in int8 mode: it promises each row's result whatever the batch, and a part
         // without integer kernels (Q2_K, Q3_K) keeps that promise with float_dot, whose
         // order of sums is the same at every M; at::mm's is not)
         const kvp::OneThreadForLibraries one_thread;
-        auto wt = at::from_blob(buffer.data(), {task.rows, k}, at::kFloat);
-        auto xt = at::from_blob(const_cast<float*>(xp), {m, k}, at::kFloat);  // (no copy)
         auto yt = at::from_blob(out, {m, task.rows}, {ldo, 1}, at::kFloat);
-        at::mm_out(yt, xt, wt.t());
+        auto wt = at::from_blob(buffer.data(), {task.rows, k}, at::kFloat);
+        if (bf16_tiles) {
+          yt.copy_(at::mm(x16, wt.to(at::kBFloat16).t()));
+        } else {
+          auto xt = at::from_blob(const_cast<float*>(xp), {m, k}, at::kFloat);  // (no copy)
+          at::mm_out(yt, xt, wt.t());
+        }
       } else {
         t->float_dot(buffer.data(), k, task.rows, xp, m, k, out, ldo);
       }
