@@ -201,10 +201,12 @@ def test_the_exact_path_keeps_the_files_layout_and_the_fast_path_packs():
     assert any(packs) == (fast.model.products.variant in X86_VARIANTS)
 
 
+@pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
 @pytest.mark.parametrize("qtype", PACKABLE)
-def test_the_packed_layout_holds_the_same_values(qtype):
+def test_the_packed_layout_holds_the_same_values(qtype, variant):
     """Repacked rows (groups of 8 interleaved) dequantize to exactly the file's values,
-    whole or row by row (an embedding lookup), in the same number of bytes."""
+    whole or row by row (an embedding lookup), in the same number of bytes, by every
+    variant's dequantization (the x86 ones gather a unit's row with vector shuffles)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -215,17 +217,17 @@ def test_the_packed_layout_holds_the_same_values(qtype):
     extra = raw.numel() * 32 // (8 * TYPES[qtype][2]) if qtype in ("Q4_K", "Q5_K") else 0
     assert packed.numel() == raw.numel() + extra and packed.shape[0] == 3
     want = dequantize(raw.numpy(), GGMLQuantizationType(tid))
-    assert np.array_equal(ops.quant_dequantize(packed, tid | PACKED, 512).numpy(), want)
+    assert np.array_equal(ops.quant_dequantize(packed, tid | PACKED, 512, variant).numpy(), want)
     rows = torch.tensor([23, 0, 9, 9])
-    got = ops.quant_dequantize(packed, tid | PACKED, 512, "", rows).numpy()
+    got = ops.quant_dequantize(packed, tid | PACKED, 512, variant, rows).numpy()
     assert np.array_equal(got, want[rows.numpy()])
-    # 200 rows on 2 threads: chunks of 100, whole groups then single rows (Q4_0's groups
-    # go through a loop of their own), and a chunk starting inside a group
+    # 200 rows on 2 threads: chunks of 100, whole groups then a group's first 4 rows, and
+    # a chunk starting inside a group
     raw = blocks(qtype, 200, 512, seed=4)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        got = ops.quant_dequantize(ops.quant_pack(raw, tid), tid | PACKED, 512).numpy()
+        got = ops.quant_dequantize(ops.quant_pack(raw, tid), tid | PACKED, 512, variant).numpy()
     finally:
         torch.set_num_threads(threads)
     assert np.array_equal(got, dequantize(raw.numpy(), GGMLQuantizationType(tid)))

@@ -108,6 +108,10 @@ struct QuantKernels {
   // y[r * ldy + n] = dot(float weight row n of w (ldw apart), x row r (k apart)), all float32.
   void (*float_dot)(const float* w, int64_t ldw, int64_t n_rows, const float* x, int64_t m,
                     int64_t k, float* y, int64_t ldy);
+  // out[r * ldo ...] = rows [first, first + count) (0 <= first < first + count <= 8) of one
+  // packed group of type t and k values a row (quant_packed.h), dequantized to floats.
+  void (*dequantize_packed)(int t, const uint8_t* group, int64_t k, int first, int count,
+                            float* out, int64_t ldo);
 };
 
 }  // namespace kvp

@@ -81,7 +81,7 @@ std::vector<Part> check_parts(const std::vector<at::Tensor>& parts, const std::v
 }
 
 // Rows [first, first + count) of a part as floats (count * k): dequantized from the file
-// blocks by the kernels, or from the packed layout row by row.
+// blocks or from the packed layout (a group, or its part, at a time) by the kernels.
 void dequantize_part(const QuantKernels* t, const Part& p, int64_t first, int64_t count, int64_t k,
                      float* out) {
   if (!p.packed) {
@@ -89,16 +89,14 @@ void dequantize_part(const QuantKernels* t, const Part& p, int64_t first, int64_
     return;
   }
   const int64_t group_bytes = kvp::group_bytes(p.type, k);
-  if (p.type == kvp::kQ4_0) {  // whole groups a vector loop at a time
-    for (; first % kvp::kGroup == 0 && count >= kvp::kGroup; first += kvp::kGroup) {
-      kvp::dequantize_packed_group_q4_0(p.raw + (first / kvp::kGroup) * group_bytes, k, out, k);
-      out += kvp::kGroup * k;
-      count -= kvp::kGroup;
-    }
+  while (count > 0) {
+    const int r = static_cast<int>(first % kvp::kGroup);
+    const int n = static_cast<int>(std::min<int64_t>(count, kvp::kGroup - r));
+    t->dequantize_packed(p.type, p.raw + (first / kvp::kGroup) * group_bytes, k, r, n, out, k);
+    first += n;
+    count -= n;
+    out += n * k;
   }
-  for (int64_t n = first; n < first + count; ++n)
-    kvp::dequantize_packed_row(p.type, p.raw + (n / kvp::kGroup) * group_bytes, k,
-                               static_cast<int>(n % kvp::kGroup), out + (n - first) * k);
 }
 
 constexpr int64_t kIntTile = 16;     // weight rows per task, integer products

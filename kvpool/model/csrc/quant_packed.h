@@ -27,7 +27,8 @@
 //   8 t + i's and in bit 2 t + 1 the value 8 t + 4 + i's (t = 0..3): at the byte of
 //   nibble vector t's same values, so a shift and a mask put them in place.
 //
-// Plain C++ (static inline, C headers only): see quant_blocks.h.
+// Plain C++ (static inline, C headers only): see quant_blocks.h. Its dequantization
+// (per variant, for its vectors) is packed_dequantize.inc.
 
 #pragma once
 
@@ -178,75 +179,6 @@ static inline void pack_group(int t, const uint8_t* rows, int64_t row_bytes, uin
     case kQ5_K: return pack_group_t<kQ5_K>(rows, row_bytes, out);
     case kQ6_K: return pack_group_t<kQ6_K>(rows, row_bytes, out);
     default: return;
-  }
-}
-
-// Value e of unit j of row r in a packed group-block o, as unit_value_t gives it.
-static inline int packed_value(int t, const uint8_t* o, int j, int r, int e) {
-  const uint8_t* body = o + header_bytes(t);
-  if (t == kQ8_0) return (int8_t)body[256 * j + 32 * (e / 4) + 4 * r + e % 4];
-  const uint8_t* u = body + j * unit_bytes(t);
-  const int q = e / 8, w = e % 8, i = w % 4;
-  const int nibble = (u[32 * q + 4 * r + i] >> (w < 4 ? 0 : 4)) & 0xF;
-  if (five_bit(t)) return nibble | (((u[128 + 4 * r + i] >> (2 * q + (w < 4 ? 0 : 1))) & 1) << 4);
-  if (t != kQ6_K) return nibble;
-  const int shift = 4 * (q & 1) + (w < 4 ? 0 : 2);
-  return nibble | (((u[128 + 32 * (q >> 1) + 4 * r + i] >> shift) & 3) << 4);
-}
-
-// The 8 rows of a packed Q4_0 group, k values each, dequantized into out (rows ldo
-// apart), the group's bytes in order: each 4-byte run holds 4 values' low nibbles and 4
-// values' high nibbles of one row, so the inner loops are a vector loop's. The same
-// values as dequantize_packed_row's, which goes a value at a time (a 512-row bf16-tile
-// product on an AMX Xeon spent most of its time there).
-static inline void dequantize_packed_group_q4_0(const uint8_t* group, int64_t k, float* out,
-                                                int64_t ldo) {
-  for (int64_t blk = 0; blk < k / 32; ++blk) {
-    const uint8_t* o = group + blk * group_block_bytes(kQ4_0);
-    const uint8_t* nibbles = o + header_bytes(kQ4_0);
-    for (int r = 0; r < kGroup; ++r) {
-      const float d = read_fp16(o + 2 * r);
-      float* y = out + r * ldo + blk * 32;
-      for (int t = 0; t < 4; ++t) {
-        const uint8_t* b = nibbles + 32 * t + 4 * r;
-        for (int i = 0; i < 4; ++i) {
-          y[8 * t + i] = ((b[i] & 0xF) - 8) * d;
-          y[8 * t + 4 + i] = ((b[i] >> 4) - 8) * d;
-        }
-      }
-    }
-  }
-}
-
-// Row r (0..7) of a packed group, k values, dequantized.
-static inline void dequantize_packed_row(int t, const uint8_t* group, int64_t k, int r, float* y) {
-  const int be = block_elems(t), units = units_per_block(t);
-  for (int64_t blk = 0; blk < k / be; ++blk) {
-    const uint8_t* o = group + blk * group_block_bytes(t);
-    float* out = y + blk * be;
-    const float d = read_fp16(o + 2 * r);
-    if (t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ8_0) {
-      const float m = t == kQ4_1 ? read_fp16(o + 16 + 2 * r) : 0.f;
-      for (int e = 0; e < 32; ++e) {
-        const int q = packed_value(t, o, 0, r, e);
-        out[e] = t == kQ4_0 ? (q - 8) * d : t == kQ4_1 ? q * d + m : t == kQ5_0 ? (q - 16) * d : q * d;
-      }
-    } else if (k_with_mins(t)) {
-      const float dmin = read_fp16(o + 16 + 2 * r);
-      for (int j = 0; j < units; ++j) {
-        const uint8_t sc = o[32 + 8 * j + r], m = o[96 + 8 * j + r];
-        for (int e = 0; e < 32; ++e) out[32 * j + e] = d * sc * packed_value(t, o, j, r, e) - dmin * m;
-      }
-    } else {  // Q6_K: unit j = 4 n + i holds values 128 n + 32 i + l, scale 8 n + l / 16 + 2 i
-      const int8_t* sc = (const int8_t*)(o + 16);
-      for (int j = 0; j < units; ++j) {
-        const int n = j >> 2, i = j & 3;
-        for (int e = 0; e < 32; ++e) {
-          const int g = 8 * n + e / 16 + 2 * i;
-          out[128 * n + 32 * i + e] = d * sc[8 * g + r] * (packed_value(t, o, j, r, e) - 32);
-        }
-      }
-    }
   }
 }
 
