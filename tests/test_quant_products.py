@@ -45,6 +45,9 @@ def test_dequantization_equals_the_gguf_package(qtype, variant):
     want = dequantize(raw.numpy(), GGMLQuantizationType(TYPES[qtype][0]))
     got = ops.quant_dequantize(raw, TYPES[qtype][0], 512, variant).numpy()
     assert np.array_equal(got, want)
+    # as a bf16 tile's weights: the same values rounded as torch rounds them
+    bf16 = ops.quant_dequantize(raw, TYPES[qtype][0], 512, variant, None, True)
+    assert torch.equal(bf16, torch.from_numpy(want).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
@@ -179,9 +182,8 @@ def mixed_parts(
 
 def test_the_exact_path_keeps_the_files_layout_and_the_fast_path_packs():
     """float32 asked for (the exact reference: float products only) keeps every matrix
-    in the file's layout, which the vector kernels dequantize (packed rows dequantize one
-    at a time in plain C++); the measured choice packs where the int8 kernels multiply
-    the packed layout."""
+    in the file's layout (its tiles dequantize as fast from it, no repacking at load);
+    the measured choice packs where the int8 kernels multiply the packed layout."""
     from kvpool.model.loader import load_model
     from kvpool.model.products import QuantLinear
 
@@ -218,6 +220,8 @@ def test_the_packed_layout_holds_the_same_values(qtype, variant):
     assert packed.numel() == raw.numel() + extra and packed.shape[0] == 3
     want = dequantize(raw.numpy(), GGMLQuantizationType(tid))
     assert np.array_equal(ops.quant_dequantize(packed, tid | PACKED, 512, variant).numpy(), want)
+    bf16 = ops.quant_dequantize(packed, tid | PACKED, 512, variant, None, True)
+    assert torch.equal(bf16, torch.from_numpy(want).to(torch.bfloat16))
     rows = torch.tensor([23, 0, 9, 9])
     got = ops.quant_dequantize(packed, tid | PACKED, 512, variant, rows).numpy()
     assert np.array_equal(got, want[rows.numpy()])

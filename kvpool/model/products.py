@@ -95,9 +95,8 @@ class QuantLinear:
         self.cols = parts[0].cols
         self.float_out = float_out
         # The packed layout where the int8 kernels have it (the same bytes). Not under an
-        # exact policy, which never takes them: its float products dequantize tiles, and
-        # the file's layout dequantizes with the vector kernels while packed rows
-        # dequantize one at a time in plain C++ (docs/performance.md, fifteenth session).
+        # exact policy, which never takes them: its float products dequantize tiles, as
+        # fast from the file's layout (repacking would be load time for nothing).
         if not policy.exact:
             for part in parts:
                 part.pack(policy.variant)

@@ -73,9 +73,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       TORCH_CHECK(!(from <= bad && bad < to), "index ", bad, " refused");
     });
   }, "for tests: a parallel_for whose chunk holding index bad throws");
-  m.def("quant_dequantize", &quant_dequantize, "rows of GGUF blocks to float32 [rows, K]",
+  m.def("quant_dequantize", &quant_dequantize,
+        "rows of GGUF blocks to float32 [rows, K] (bf16: to bf16, as a bf16 tile's weights)",
         py::arg("raw"), py::arg("qtype"), py::arg("k"), py::arg("variant") = "",
-        py::arg("rows") = py::none());
+        py::arg("rows") = py::none(), py::arg("bf16") = false);
   m.def("quant_pack", &quant_pack, "rows of GGUF blocks in the packed layout (groups of 8 rows)",
         py::arg("raw"), py::arg("qtype"), py::arg("into") = py::none());
   m.def("quant_packed_bytes", &quant_packed_bytes, "bytes of a matrix in the packed layout");

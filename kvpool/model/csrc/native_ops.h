@@ -29,7 +29,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up, const std::string& variant);
 at::Tensor argmax_rows(const at::Tensor& x);
 std::vector<std::string> kernel_variants();
 at::Tensor quant_dequantize(const at::Tensor& raw, int64_t qtype, int64_t k, const std::string& isa,
-                            const c10::optional<at::Tensor>& rows);
+                            const c10::optional<at::Tensor>& rows, bool bf16);
 at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype, const c10::optional<at::Tensor>& into);
 int64_t quant_packed_bytes(int64_t qtype, int64_t rows, int64_t k);
 bool quant_packs(int64_t qtype, const std::string& isa);

@@ -13,6 +13,17 @@
 
 namespace kvp {
 
+// Functions the variants' kernels call are always inlined: a copy the compiler keeps out
+// of line is compiled for the baseline (SSE: this header comes before a variant's
+// target), and each call from a variant's AVX code switched between the two: AVX2's
+// file-layout Q8_0 dequantization spent 87% of its time on the instruction after its
+// fp16_to_f32 call (64 rows of 2,048: 434 us, 12 us inlined; docs/performance.md).
+#if defined(__GNUC__) || defined(__clang__)
+#define KVP_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define KVP_ALWAYS_INLINE inline
+#endif
+
 // ggml type ids
 enum QType : int {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
@@ -20,11 +31,11 @@ enum QType : int {
 };
 
 // Elements and bytes of one block.
-static inline int block_elems(int t) {
+static KVP_ALWAYS_INLINE int block_elems(int t) {
   return (t == kQ2_K || t == kQ3_K || t == kQ4_K || t == kQ5_K || t == kQ6_K) ? 256
          : (t == kF32 || t == kF16 || t == kBF16) ? 1 : 32;
 }
-static inline int block_bytes(int t) {
+static KVP_ALWAYS_INLINE int block_bytes(int t) {
   switch (t) {
     case kF32: return 4;
     case kF16: case kBF16: return 2;
@@ -41,17 +52,7 @@ static inline int block_bytes(int t) {
     default: return 0;
   }
 }
-static inline bool known_type(int t) { return block_bytes(t) > 0; }
-
-// Always inlined: the header's own out-of-line copy is compiled for the baseline
-// (SSE), and called from a variant's AVX code each call switched between the two:
-// AVX2's file-layout Q8_0 dequantization spent 87% of its time on the instruction after
-// the call (64 rows of 2,048: 434 us, 12 us inlined; docs/performance.md).
-#if defined(__GNUC__) || defined(__clang__)
-#define KVP_ALWAYS_INLINE inline __attribute__((always_inline))
-#else
-#define KVP_ALWAYS_INLINE inline
-#endif
+static KVP_ALWAYS_INLINE bool known_type(int t) { return block_bytes(t) > 0; }
 
 // Exact, every value: a subnormal's mant * 2^-24 is a normal float32 (no rounding).
 static KVP_ALWAYS_INLINE float fp16_to_f32(uint16_t h) {
@@ -71,7 +72,7 @@ static KVP_ALWAYS_INLINE float read_fp16(const uint8_t* p) {
   memcpy(&h, p, 2);
   return fp16_to_f32(h);
 }
-static inline float bf16_to_f32(uint16_t h) {
+static KVP_ALWAYS_INLINE float bf16_to_f32(uint16_t h) {
   const uint32_t bits = (uint32_t)h << 16;
   float f;
   memcpy(&f, &bits, 4);
@@ -79,7 +80,7 @@ static inline float bf16_to_f32(uint16_t h) {
 }
 
 // The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K block.
-static inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
+static KVP_ALWAYS_INLINE void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
   if (j < 4) {
     *sc = q[j] & 63;
     *m = q[j + 4] & 63;
@@ -90,7 +91,7 @@ static inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m
 }
 
 // The 16 signed 6-bit scales of a Q3_K block.
-static inline void q3_k_scales(const uint8_t* s, int8_t* out) {
+static KVP_ALWAYS_INLINE void q3_k_scales(const uint8_t* s, int8_t* out) {
   for (int i = 0; i < 16; ++i) {
     const int low = (i < 8 ? s[i] : s[i - 8] >> 4) & 0xF;
     const int high = (s[8 + (i % 4)] >> (2 * (i / 4))) & 3;
@@ -101,7 +102,8 @@ static inline void q3_k_scales(const uint8_t* s, int8_t* out) {
 // y[0 .. block_elems) = the values of one block. (__restrict: the loops vectorize without
 // a run-time check that y and b overlap, which short blocks paid per block: Q4_0's 2.2-4.6x
 // faster on the AVX-512 and generic variants, 1.35x slower on AVX2's: docs/performance.md)
-static inline void dequantize_block(int t, const uint8_t* __restrict b, float* __restrict y) {
+static KVP_ALWAYS_INLINE void dequantize_block(int t, const uint8_t* __restrict b,
+                                               float* __restrict y) {
   switch (t) {
     case kF32: memcpy(y, b, 4); return;
     case kF16: y[0] = read_fp16(b); return;
@@ -241,7 +243,8 @@ static inline void dequantize_block(int t, const uint8_t* __restrict b, float* _
 }
 
 // One row of k elements (whole blocks) to floats.
-static inline void dequantize_row_scalar(int t, const uint8_t* row, int64_t k, float* y) {
+static KVP_ALWAYS_INLINE void dequantize_row_scalar(int t, const uint8_t* row, int64_t k,
+                                                    float* y) {
   const int be = block_elems(t), bb = block_bytes(t);
   for (int64_t i = 0; i < k / be; ++i) dequantize_block(t, row + i * bb, y + i * be);
 }

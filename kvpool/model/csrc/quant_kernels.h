@@ -112,6 +112,12 @@ struct QuantKernels {
   // packed group of type t and k values a row (quant_packed.h), dequantized to floats.
   void (*dequantize_packed)(int t, const uint8_t* group, int64_t k, int first, int count,
                             float* out, int64_t ldo);
+  // dequantize_rows and dequantize_packed into bf16 (bits; rounded as torch's .to() rounds
+  // the floats): a bf16 tile's weights.
+  void (*dequantize_rows_bf16)(int t, const uint8_t* w, int64_t row_bytes, int64_t n_rows,
+                               int64_t k, uint16_t* out);
+  void (*dequantize_packed_bf16)(int t, const uint8_t* group, int64_t k, int first, int count,
+                                 uint16_t* out, int64_t ldo);
 };
 
 }  // namespace kvp

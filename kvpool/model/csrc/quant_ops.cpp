@@ -30,6 +30,7 @@
 #include <atomic>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -80,19 +81,26 @@ std::vector<Part> check_parts(const std::vector<at::Tensor>& parts, const std::v
   return out;
 }
 
-// Rows [first, first + count) of a part as floats (count * k): dequantized from the file
-// blocks or from the packed layout (a group, or its part, at a time) by the kernels.
+// Rows [first, first + count) of a part as floats, or as bf16 bits (count * k):
+// dequantized from the file blocks or from the packed layout (a group, or its part, at a
+// time) by the kernels.
+template <class Out>
 void dequantize_part(const QuantKernels* t, const Part& p, int64_t first, int64_t count, int64_t k,
-                     float* out) {
+                     Out* out) {
+  constexpr bool bf16 = std::is_same_v<Out, uint16_t>;
   if (!p.packed) {
-    t->dequantize_rows(p.type, p.raw + first * p.row_bytes, p.row_bytes, count, k, out);
+    const uint8_t* w = p.raw + first * p.row_bytes;
+    if constexpr (bf16) t->dequantize_rows_bf16(p.type, w, p.row_bytes, count, k, out);
+    else t->dequantize_rows(p.type, w, p.row_bytes, count, k, out);
     return;
   }
   const int64_t group_bytes = kvp::group_bytes(p.type, k);
   while (count > 0) {
     const int r = static_cast<int>(first % kvp::kGroup);
     const int n = static_cast<int>(std::min<int64_t>(count, kvp::kGroup - r));
-    t->dequantize_packed(p.type, p.raw + (first / kvp::kGroup) * group_bytes, k, r, n, out, k);
+    const uint8_t* group = p.raw + (first / kvp::kGroup) * group_bytes;
+    if constexpr (bf16) t->dequantize_packed_bf16(p.type, group, k, r, n, out, k);
+    else t->dequantize_packed(p.type, group, k, r, n, out, k);
     first += n;
     count -= n;
     out += n * k;
@@ -163,10 +171,19 @@ int64_t quant_packed_bytes(int64_t qtype, int64_t rows, int64_t k) {
 }
 
 at::Tensor quant_dequantize(const at::Tensor& raw, int64_t qtype, int64_t k, const std::string& isa,
-                            const c10::optional<at::Tensor>& rows) {
+                            const c10::optional<at::Tensor>& rows, bool bf16) {
   const auto parts = check_parts({raw}, {qtype}, k);
   const Part& p = parts[0];
   const QuantKernels* t = table(isa);
+  if (bf16) {  // as a bf16 tile's weights (for tests: each row alone, then all)
+    TORCH_CHECK(!rows.has_value(), "bf16: every row");
+    auto out = at::empty({p.rows, k}, at::kBFloat16);
+    auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    kvp::parallel_for(0, p.rows, 64, [&](int64_t begin, int64_t end) {
+      dequantize_part(t, p, begin, end - begin, k, o + begin * k);
+    });
+    return out;
+  }
   if (rows.has_value()) {  // selected rows (an embedding lookup)
     const auto ids = rows->to(at::kLong).contiguous();
     const int64_t* id = ids.data_ptr<int64_t>();
@@ -253,15 +270,15 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   }
   // The activations in float32: x itself, or its bf16 values widened into scratch where
   // a float product reads them (an integer product's quantizing widens a few rows at a
-  // time: a prefill step's [M, K] float32 copy, 16 MiB for 512 rows of K = 8192, is not
-  // made).
+  // time, and bf16 tiles read x16: a prefill step's [M, K] float32 copy, 16 MiB for 512
+  // rows of K = 8192, is not made).
   const float* xp = nullptr;
   const at::BFloat16* x16p = nullptr;
   at::Tensor x16_keep, x_keep, q_keep, d_keep, o_keep;
   if (bf16_in) {
     x16_keep = x_in.contiguous();
     x16p = x16_keep.data_ptr<at::BFloat16>();
-    if (any_float) {
+    if (any_float && !bf16_tiles) {
       float* dst = buffer_for(x_scratch, x_keep, m * k, at::kFloat);
       convert(x16p, dst, m * k);
       xp = dst;
@@ -340,27 +357,34 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
       for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<at::BFloat16>(src[c]);
     }
   };
-  auto run_item = [&](int64_t i, std::vector<float>& buffer, std::vector<float>& tile) {
+  auto run_item = [&](int64_t i, std::vector<float>& buffer, std::vector<uint16_t>& buffer16,
+                      std::vector<float>& tile) {
     if (i < n_float) {
       const Task& task = float_tasks[i];
       const Part& p = parts[task.part];
-      buffer.resize(task.rows * k);
-      dequantize_part(t, p, task.row, task.rows, k, buffer.data());
       const int64_t col = p.offset + task.row;
       const auto [out, ldo] = target(tile, 0, col, m, task.rows);
-      if (gemm_tiles && mode != 0) {  // (bf16_tiles: mode 2)
+      if (bf16_tiles) {  // the weights dequantized straight to bf16 (mode 2)
+        buffer16.resize(task.rows * k);
+        dequantize_part(t, p, task.row, task.rows, k, buffer16.data());
+        const kvp::OneThreadForLibraries one_thread;
+        auto yt = at::from_blob(out, {m, task.rows}, {ldo, 1}, at::kFloat);
+        auto wt = at::from_blob(buffer16.data(), {task.rows, k}, at::kBFloat16);
+        yt.copy_(at::mm(x16, wt.t()));
+        round_tile(tile, 0, col, m, task.rows);
+        return;
+      }
+      buffer.resize(task.rows * k);
+      dequantize_part(t, p, task.row, task.rows, k, buffer.data());
+      if (gemm_tiles && mode != 0) {
         // (not in int8 mode: it promises each row's result whatever the batch, and a part
         // without integer kernels (Q2_K, Q3_K) keeps that promise with float_dot, whose
         // order of sums is the same at every M; at::mm's is not)
         const kvp::OneThreadForLibraries one_thread;
         auto yt = at::from_blob(out, {m, task.rows}, {ldo, 1}, at::kFloat);
         auto wt = at::from_blob(buffer.data(), {task.rows, k}, at::kFloat);
-        if (bf16_tiles) {
-          yt.copy_(at::mm(x16, wt.to(at::kBFloat16).t()));
-        } else {
-          auto xt = at::from_blob(const_cast<float*>(xp), {m, k}, at::kFloat);  // (no copy)
-          at::mm_out(yt, xt, wt.t());
-        }
+        auto xt = at::from_blob(const_cast<float*>(xp), {m, k}, at::kFloat);  // (no copy)
+        at::mm_out(yt, xt, wt.t());
       } else {
         t->float_dot(buffer.data(), k, task.rows, xp, m, k, out, ldo);
       }
@@ -400,10 +424,12 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   std::atomic<int64_t> next{0};
   kvp::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> buffer;
+    std::vector<uint16_t> buffer16;  // (bf16 bits)
     // an item's sums for a bf16 y: 8 KiB for an integer item, M x 64 floats for a float one
     static thread_local std::vector<float> tile;
     for (int64_t begin; (begin = next.fetch_add(run)) < items;)
-      for (int64_t i = begin; i < std::min(items, begin + run); ++i) run_item(i, buffer, tile);
+      for (int64_t i = begin; i < std::min(items, begin + run); ++i)
+        run_item(i, buffer, buffer16, tile);
   });
   return y;
 }
