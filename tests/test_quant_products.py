@@ -297,15 +297,22 @@ def test_products_are_the_same_on_any_number_of_threads(rows, variant):
 
 @pytest.mark.parametrize(
     "specs",
-    [[("Q8_0", 64, True)], [("Q4_K", 64, False)], [("Q4_K", 256, False), ("Q6_K", 128, True)]],
-    ids=["one-Q8_0-tile", "one-Q4_K-tile", "six-tiles"],
+    [
+        [("Q8_0", 64, True)],
+        [("Q4_K", 64, False)],
+        [("Q4_K", 256, False), ("Q6_K", 128, True)],
+        [("Q4_K", 1024, True), ("Q8_0", 512, False)],
+    ],
+    ids=["one-Q8_0-tile", "one-Q4_K-tile", "six-tiles", "wide-tiles"],
 )
 def test_large_float_products_are_the_same_on_any_number_of_threads(specs):
     """Float and bf16 tiles at a real model's K (2,048) and 300 rows, where torch's at::mm
     of a tile planned by the thread count (oneDNN's bf16 matmul by the OpenMP team's size,
     MKL's sgemm by its own count outside a region): on an AMX Xeon 1 and 2 threads gave
     other bits (in the engine, its thread policy's modes would have). Each tile's library
-    call plans for and runs on its one thread, so 1 to 4 threads agree."""
+    call plans for and runs on its one thread, so 1 to 4 threads agree. Parts of 1,024 and
+    512 rows take tiles wider than 64 rows where the CPUs are few (256 and 128 on 2 CPUs):
+    their width comes from the CPUs, never from the call's threads."""
     raws, tids = mixed_parts(specs, 2048, 3)
     x = torch.randn(300, 2048, generator=torch.Generator().manual_seed(300))
     threads = torch.get_num_threads()
