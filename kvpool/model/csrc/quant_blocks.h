@@ -79,6 +79,13 @@ static KVP_ALWAYS_INLINE float bf16_to_f32(uint16_t h) {
   return f;
 }
 
+// float32 to bf16 bits as c10::BFloat16 rounds: to nearest even, a NaN to 0x7FC0.
+static KVP_ALWAYS_INLINE uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return f != f ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 // The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K block.
 static KVP_ALWAYS_INLINE void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
   if (j < 4) {

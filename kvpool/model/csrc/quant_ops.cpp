@@ -202,13 +202,15 @@ at::Tensor quant_dequantize(const at::Tensor& raw, int64_t qtype, int64_t k, con
   const auto parts = check_parts({raw}, {qtype}, k);
   const Part& p = parts[0];
   const QuantKernels* t = table(isa);
-  if (bf16) {  // every row as a bf16 tile's weights (tests compare them with .to())
-    TORCH_CHECK(!rows.has_value(), "bf16: every row");
-    auto out = at::empty({p.rows, k}, at::kBFloat16);
-    auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  auto every_row = [&](auto* o) {
     kvp::parallel_for(0, p.rows, 64, [&](int64_t begin, int64_t end) {
       dequantize_part(t, p, begin, end - begin, k, o + begin * k);
     });
+  };
+  if (bf16) {  // every row as a bf16 tile's weights (tests compare them with .to())
+    TORCH_CHECK(!rows.has_value(), "bf16: every row");
+    auto out = at::empty({p.rows, k}, at::kBFloat16);
+    every_row(reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
     return out;
   }
   if (rows.has_value()) {  // selected rows (an embedding lookup)
@@ -224,10 +226,7 @@ at::Tensor quant_dequantize(const at::Tensor& raw, int64_t qtype, int64_t k, con
     return out;
   }
   auto out = at::empty({p.rows, k}, at::kFloat);
-  float* o = out.data_ptr<float>();
-  kvp::parallel_for(0, p.rows, 64, [&](int64_t begin, int64_t end) {
-    dequantize_part(t, p, begin, end - begin, k, o + begin * k);
-  });
+  every_row(out.data_ptr<float>());
   return out;
 }
 
