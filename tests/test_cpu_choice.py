@@ -67,7 +67,7 @@ def _choices(env_features: str | None) -> dict:
 def _best_variant(cpu: CpuFeatures) -> str:
     """The kernels a CPU with these features should get."""
     if cpu.avx512 and cpu.avx512_vnni and cpu.avx512_bf16:
-        return "avx512-bf16"
+        return "avx512-amx" if cpu.amx else "avx512-bf16"
     if cpu.avx512 and cpu.avx512_vnni:
         return "avx512-vnni"
     if cpu.dotprod:
@@ -75,7 +75,9 @@ def _best_variant(cpu: CpuFeatures) -> str:
     return "avx2" if cpu.avx2 else "generic"
 
 
-@pytest.mark.parametrize("narrowed", [None, "avx2", "none"])
+@pytest.mark.parametrize(
+    "narrowed", [None, "avx2,avx512,avx512_vnni,avx512_bf16,bf16_products", "avx2", "none"]
+)
 def test_choices_follow_the_cpu(narrowed):
     from kvpool.model.native import emulating_avx512, native_ops
 
@@ -86,7 +88,7 @@ def test_choices_follow_the_cpu(narrowed):
     if narrowed is not None:
         kept = set(narrowed.split(","))
         assert not any(getattr(cpu, n) for n in ("avx512", "avx512_bf16", "amx") if n not in kept)
-        assert not cpu.bf16_products
+        assert not cpu.bf16_products or "avx512_bf16" in kept
     if native_ops() is None:
         assert got["dtype"] == ("torch.bfloat16" if cpu.bf16_products else "torch.float32")
         assert not got["quantized"] and got["variant"] == ""
@@ -117,9 +119,12 @@ def test_the_module_runs_what_the_cpu_has():
     assert ("aarch64-dotprod" in variants) == cpu.dotprod
     if emulating_avx512():  # the AVX-512 variants are SIMDe's, run on AVX2
         assert ("avx512-bf16" in variants) == ("avx512-vnni" in variants) == cpu.avx2
+        assert "avx512-amx" not in variants  # SIMDe has no tiles
         return
     assert ("avx512-vnni" in variants) == (cpu.avx512 and cpu.avx512_vnni)
     assert ("avx512-bf16" in variants) == (cpu.avx512 and cpu.avx512_vnni and cpu.avx512_bf16)
+    # AMX: the tiles' CPUID bits and Linux's permission for the process to use them
+    assert ("avx512-amx" in variants) == ("avx512-bf16" in variants and cpu.amx)
 
 
 def test_the_native_ops_build_where_a_compiler_is():

@@ -27,7 +27,7 @@ from tests.paged_runner import Chunk, PagedRunner  # noqa: E402
 ops = native_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="native ops not built here")
 
-VARIANTS = ["avx512-bf16", "avx512-vnni", "avx2", "aarch64-dotprod", "generic"]
+VARIANTS = ["avx512-amx", "avx512-bf16", "avx512-vnni", "avx2", "aarch64-dotprod", "generic"]
 STORE_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
 
 

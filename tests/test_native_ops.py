@@ -41,7 +41,7 @@ def _reference(q, layer_kv, tables, lens, block_size):
     return torch.stack(rows)
 
 
-VARIANTS = ["avx512-bf16", "avx512-vnni", "avx2", "aarch64-dotprod", "generic"]
+VARIANTS = ["avx512-amx", "avx512-bf16", "avx512-vnni", "avx2", "aarch64-dotprod", "generic"]
 
 
 def needs_variant(variant: str):

@@ -17,8 +17,8 @@ from kvpool.model.native import native_ops  # noqa: E402
 
 ops = native_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="native ops not built here")
-VARIANTS = ["avx512-bf16", "avx512-vnni", "avx2", "aarch64-dotprod", "generic"]
-X86_VARIANTS = VARIANTS[:3]  # one integer form: their products agree bit for bit
+VARIANTS = ["avx512-amx", "avx512-bf16", "avx512-vnni", "avx2", "aarch64-dotprod", "generic"]
+X86_VARIANTS = VARIANTS[:4]  # one integer form: their products agree bit for bit
 INT8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 # int8 products against the float ones, one product of random data: share of the
 # largest output (measured: 0.4-1.2%)
@@ -375,7 +375,7 @@ def _extreme_blocks(qtype: str, n: int, k: int, rng) -> torch.Tensor:
     body[2::4, :, :64] = 0xFF  # q 15 or 63 by position
     body[3::4] = rng.integers(0, 256, (n // 4, k // 256, 192), dtype=np.uint8)
     scales = rng.integers(-128, 128, (n, k // 256, 16)).astype(np.int8).view(np.uint8)
-    scales[0::4, :, 0] = 0x80  # -128, the largest product
+    scales[0::4, :, :2] = 0x80  # -128 for both halves of a unit: the largest sum
     d = np.full((n, k // 256, 1), 2**-7, np.float16).view(np.uint8).reshape(n, k // 256, 2)
     return torch.from_numpy(np.concatenate([body, scales, d], axis=2).reshape(n, -1).copy())
 
@@ -401,7 +401,8 @@ def test_packed_offsets_in_the_sums_at_the_int16_limits(qtype, variant):
         np.where(pos % 4 < 2, -1.0, 1.0), np.where(pos % 32 < 16, 1.0, -1.0),
         np.where(pos % 2 == 0, 1.0, -1.0), rng.choice([-1.0, 1.0], k), -np.ones(k), np.ones(k),
     ]  # fmt: skip
-    x = torch.tensor(np.stack(signs), dtype=torch.float32)
+    # 18 rows: AMX's tiles take 16 at once (avx512-amx), the dot instructions the rest
+    x = torch.tensor(np.concatenate([np.stack(signs), -np.stack(signs)]), dtype=torch.float32)
     tid = TYPES[qtype][0]
     want = x @ torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType(tid))).T
     packed = ops.quant_pack(raw, tid)

@@ -27,7 +27,7 @@ class CpuFeatures:
     avx512: bool  # AVX-512 F/BW/VL/DQ
     avx512_vnni: bool  # int8 dot products (VPDPBUSD)
     avx512_bf16: bool  # bf16 dot products (VDPBF16PS)
-    amx: bool  # AMX tiles
+    amx: bool  # AMX tiles, and the OS lets this process use them
     dotprod: bool  # aarch64's int8 dot products (SDOT)
     bf16_products: bool  # oneDNN runs bf16 matrix products in hardware (AVX-512 BF16 / AMX)
 
@@ -151,7 +151,9 @@ def cpu_features() -> CpuFeatures:
         "avx512": _probe("_is_avx512_supported"),
         "avx512_vnni": _probe("_is_avx512_supported") and _probe("_is_vnni_supported"),
         "avx512_bf16": _probe("_is_avx512_bf16_supported"),
-        "amx": _probe("_is_amx_tile_supported"),
+        # Linux gives a process the tiles' state only when asked (torch's _init_amx asks,
+        # as oneDNN and the native module do): without it the tiles cannot run
+        "amx": _probe("_is_amx_tile_supported") and _probe("_init_amx"),
         "dotprod": _aarch64_hwcap(20) or _macos_arm_feature("FEAT_DotProd"),  # HWCAP_ASIMDDP
         "bf16_products": _mkldnn_bf16(),
     }

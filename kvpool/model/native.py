@@ -19,11 +19,11 @@
   uses (the same bits), without the loop's ten Python calls a layer (~1 ms of a 30-layer
   model's batch-1 step).
 
-The kernels are compiled once per instruction set (``isa_*.cpp``: AVX-512 with BF16,
-AVX-512 with VNNI, AVX2, aarch64 with its int8 dot products, generic C++) into one
-module, and the fastest this CPU runs is chosen at run time (``kernel_variants()`` lists
-them, fastest first; every op takes a ``variant`` to force one, for tests and
-benchmarks).
+The kernels are compiled once per instruction set (``isa_*.cpp``: AVX-512 with AMX's
+int8 tiles, AVX-512 with BF16, AVX-512 with VNNI, AVX2, aarch64 with its int8 dot
+products, generic C++) into one module, and the fastest this CPU runs is chosen at run
+time (``kernel_variants()`` lists them, fastest first; every op takes a ``variant`` to
+force one, for tests and benchmarks).
 
 It needs a C++ compiler and ninja (the ``ninja`` package, a runtime dependency, carries
 one); the first build takes about 30 s and is cached (torch's extensions directory, one
@@ -324,6 +324,7 @@ def native_ops() -> ModuleType | None:
 
 # What each kernel variant needs of the CPU (kvpool.model.cpu's feature names).
 VARIANT_NEEDS = {
+    "avx512-amx": ("avx512", "avx512_vnni", "avx512_bf16", "amx"),
     "avx512-bf16": ("avx512", "avx512_vnni", "avx512_bf16"),
     "avx512-vnni": ("avx512", "avx512_vnni"),
     "avx2": ("avx2",),

@@ -72,4 +72,5 @@ const kvp::AttentionKernels* kvp_attention_kernels_avx2();
 const kvp::AttentionKernels* kvp_attention_kernels_aarch64_dotprod();
 const kvp::AttentionKernels* kvp_attention_kernels_avx512_vnni();
 const kvp::AttentionKernels* kvp_attention_kernels_avx512_bf16();
+const kvp::AttentionKernels* kvp_attention_kernels_avx512_amx();
 }

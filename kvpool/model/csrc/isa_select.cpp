@@ -7,7 +7,11 @@
 
 #include <c10/util/Exception.h>
 
-#if defined(__aarch64__) && defined(__linux__)
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#elif defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
 #elif defined(__aarch64__) && defined(__APPLE__)
 #include <sys/sysctl.h>
@@ -16,9 +20,27 @@
 namespace kvp {
 namespace {
 
+#if defined(__x86_64__) && defined(__linux__)
+// AMX's tiles with their int8 products: CPUID leaf 7's AMX-TILE and AMX-INT8 bits, and
+// Linux's permission for the process to use the tiles' 8 KiB of state (asked for once;
+// without it the first tile instruction is a SIGILL; oneDNN asks the same way).
+bool amx_int8_usable() {
+  static const bool usable = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureTileData = 18;
+    return tile && int8 && syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTileData) == 0;
+  }();
+  return usable;
+}
+#endif
+
 bool has(const char* feature) {
 #if defined(KVP_SIMDE) && defined(__x86_64__)
-  // the emulation build: its AVX-512 variants are SIMDe's, on AVX2 (isa_variant.inc)
+  // the emulation build: its AVX-512 variants are SIMDe's, on AVX2 (isa_variant.inc); it
+  // has no AMX variant
+  if (std::string(feature) == "avx512-amx") return false;
   if (std::string(feature).rfind("avx512", 0) == 0) return has("avx2");
 #endif
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -30,6 +52,9 @@ bool has(const char* feature) {
                       __builtin_cpu_supports("avx512vnni") && has("avx2");
   if (f == "avx512-vnni") return avx512;
   if (f == "avx512-bf16") return avx512 && __builtin_cpu_supports("avx512bf16");
+#if defined(__linux__)
+  if (f == "avx512-amx") return has("avx512-bf16") && amx_int8_usable();
+#endif
 #elif defined(__aarch64__) && defined(__linux__)
   // HWCAP_ASIMDDP: the SDOT / UDOT instructions
   if (std::string(feature) == "aarch64-dotprod") return (getauxval(AT_HWCAP) & (1UL << 20)) != 0;
@@ -53,6 +78,8 @@ const std::vector<Variant>& cpu_variants() {
   static const std::vector<Variant> variants = [] {
     std::vector<Variant> out;
     const Variant all[] = {
+        {"avx512-amx", kvp_quant_kernels_avx512_amx(), kvp_attention_kernels_avx512_amx(),
+         kvp_row_kernels_avx512_amx()},
         {"avx512-bf16", kvp_quant_kernels_avx512_bf16(), kvp_attention_kernels_avx512_bf16(),
          kvp_row_kernels_avx512_bf16()},
         {"avx512-vnni", kvp_quant_kernels_avx512_vnni(), kvp_attention_kernels_avx512_vnni(),

@@ -128,4 +128,5 @@ const kvp::QuantKernels* kvp_quant_kernels_avx2();
 const kvp::QuantKernels* kvp_quant_kernels_aarch64_dotprod();
 const kvp::QuantKernels* kvp_quant_kernels_avx512_vnni();
 const kvp::QuantKernels* kvp_quant_kernels_avx512_bf16();
+const kvp::QuantKernels* kvp_quant_kernels_avx512_amx();
 }

@@ -44,4 +44,5 @@ const kvp::RowKernels* kvp_row_kernels_avx2();
 const kvp::RowKernels* kvp_row_kernels_aarch64_dotprod();
 const kvp::RowKernels* kvp_row_kernels_avx512_vnni();
 const kvp::RowKernels* kvp_row_kernels_avx512_bf16();
+const kvp::RowKernels* kvp_row_kernels_avx512_amx();
 }
