@@ -395,24 +395,24 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
       if (bf16_tiles) {  // the weights dequantized straight to bf16 (mode 2)
         buffer16.resize(task.rows * k);
         dequantize_part(t, p, task.row, task.rows, k, buffer16.data());
-        const kvp::OneThreadForLibraries one_thread;
-        auto yt = at::from_blob(out, {m, task.rows}, {ldo, 1}, at::kFloat);
-        auto wt = at::from_blob(buffer16.data(), {task.rows, k}, at::kBFloat16);
-        yt.copy_(at::mm(x16, wt.t()));
-        round_tile(tile, 0, col, m, task.rows);
-        return;
+      } else {
+        buffer.resize(task.rows * k);
+        dequantize_part(t, p, task.row, task.rows, k, buffer.data());
       }
-      buffer.resize(task.rows * k);
-      dequantize_part(t, p, task.row, task.rows, k, buffer.data());
       if (gemm_tiles && mode != 0) {
         // (not in int8 mode: it promises each row's result whatever the batch, and a part
         // without integer kernels (Q2_K, Q3_K) keeps that promise with float_dot, whose
         // order of sums is the same at every M; at::mm's is not)
         const kvp::OneThreadForLibraries one_thread;
         auto yt = at::from_blob(out, {m, task.rows}, {ldo, 1}, at::kFloat);
-        auto wt = at::from_blob(buffer.data(), {task.rows, k}, at::kFloat);
-        auto xt = at::from_blob(const_cast<float*>(xp), {m, k}, at::kFloat);  // (no copy)
-        at::mm_out(yt, xt, wt.t());
+        if (bf16_tiles) {
+          auto wt = at::from_blob(buffer16.data(), {task.rows, k}, at::kBFloat16);
+          yt.copy_(at::mm(x16, wt.t()));
+        } else {
+          auto wt = at::from_blob(buffer.data(), {task.rows, k}, at::kFloat);
+          auto xt = at::from_blob(const_cast<float*>(xp), {m, k}, at::kFloat);  // (no copy)
+          at::mm_out(yt, xt, wt.t());
+        }
       } else {
         t->float_dot(buffer.data(), k, task.rows, xp, m, k, out, ldo);
       }
