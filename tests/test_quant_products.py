@@ -268,6 +268,12 @@ def test_packed_products_equal_the_row_kernels(qtype, variant):
     for n in (n for n in (30, 27) if n < len(x)):
         assert torch.equal(ops.quant_matmul(x[:n], [packed], [tid | PACKED], 0, variant), batch[:n])
     assert ops.quant_packs(tid, variant) == (variant in X86_VARIANTS)
+    if variant.startswith("avx512"):  # AVX-512's packed kernels agree bit for bit, AMX too
+        # 150 rows: a block of 128 (on AMX one call, its 16-row tiles after one unpacking
+        # of each unit) and one of 22 (AMX: 16 rows, then the dot instructions' 4 and 2)
+        x = torch.randn(150, k, generator=torch.Generator().manual_seed(5))
+        batch = ops.quant_matmul(x, [packed], [tid | PACKED], 0, variant)
+        assert torch.equal(batch, ops.quant_matmul(x, [packed], [tid | PACKED], 0, "avx512-vnni"))
 
 
 @pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
