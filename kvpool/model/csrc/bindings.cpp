@@ -52,7 +52,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("variant") = "");
   m.def("argmax_rows", &argmax_rows,
         "each row's argmax as torch.argmax(x, -1) gives it (first index; NaN counts highest)");
-  m.def("kernel_variants", &kernel_variants, "the kernel variants this CPU runs, fastest first");
+  m.def("kernel_variants", &kernel_variants,
+        "the kernel variants this CPU runs, fastest first (built=True: every one this build "
+        "compiled, whatever the CPU)", py::arg("built") = false);
   m.def("threads_from", [] { return kvp::kOpenMP ? std::string("openmp") : std::string("own pool"); },
         "whose threads the ops share their work among: torch's OpenMP pool, or kvp's own "
         "(a build without OpenMP)");

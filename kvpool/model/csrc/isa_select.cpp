@@ -74,7 +74,7 @@ bool has(const char* feature) {
 
 }  // namespace
 
-const std::vector<Variant>& cpu_variants() {
+const std::vector<Variant>& built_variants() {
   static const std::vector<Variant> variants = [] {
     std::vector<Variant> out;
     const Variant all[] = {
@@ -89,9 +89,19 @@ const std::vector<Variant>& cpu_variants() {
          kvp_attention_kernels_aarch64_dotprod(), kvp_row_kernels_aarch64_dotprod()},
     };
     for (const auto& v : all)
-      if (v.quant != nullptr && has(v.name.c_str())) out.push_back(v);
+      if (v.quant != nullptr) out.push_back(v);
     out.push_back({"generic", kvp_quant_kernels_generic(), kvp_attention_kernels_generic(),
                    kvp_row_kernels_generic()});
+    return out;
+  }();
+  return variants;
+}
+
+const std::vector<Variant>& cpu_variants() {
+  static const std::vector<Variant> variants = [] {
+    std::vector<Variant> out;
+    for (const auto& v : built_variants())
+      if (v.name == "generic" || has(v.name.c_str())) out.push_back(v);
     return out;
   }();
   return variants;

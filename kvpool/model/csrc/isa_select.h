@@ -18,7 +18,10 @@ struct Variant {
   const RowKernels* rows;
 };
 
-// The variants this CPU can run, fastest first (the generic one always last).
+// The variants this build compiled (a compiler may lack one's intrinsics: AMX's before
+// GCC 11), fastest first (the generic one always last).
+const std::vector<Variant>& built_variants();
+// Those of them this CPU can run, in the same order.
 const std::vector<Variant>& cpu_variants();
 // A variant by name ("" for the fastest); raises if this CPU cannot run it.
 const Variant& variant(const std::string& name);

@@ -27,7 +27,7 @@ at::Tensor head_rms_norm(const at::Tensor& qkv, const at::Tensor& q_weight,
                          double eps, const std::string& variant);
 at::Tensor silu_mul(const at::Tensor& gate_up, const std::string& variant);
 at::Tensor argmax_rows(const at::Tensor& x);
-std::vector<std::string> kernel_variants();
+std::vector<std::string> kernel_variants(bool built);
 at::Tensor quant_dequantize(const at::Tensor& raw, int64_t qtype, int64_t k, const std::string& isa,
                             const c10::optional<at::Tensor>& rows, bool bf16);
 at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype, const c10::optional<at::Tensor>& into);

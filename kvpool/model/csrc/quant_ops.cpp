@@ -152,9 +152,9 @@ int64_t gemm_tile_rows(int64_t rows) {
 
 }  // namespace
 
-std::vector<std::string> kernel_variants() {
+std::vector<std::string> kernel_variants(bool built) {
   std::vector<std::string> names;
-  for (const auto& v : kvp::cpu_variants()) names.push_back(v.name);
+  for (const auto& v : built ? kvp::built_variants() : kvp::cpu_variants()) names.push_back(v.name);
   return names;
 }
 
