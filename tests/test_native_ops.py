@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import platform
 import random
 
 import pytest
@@ -153,6 +154,38 @@ def test_add_rms_norm_matches_torch(dtype, rows):
     assert ((got.float() - want.float()).abs() <= rel * want.float().abs() + 1e-6).all()
     alone = ops.add_rms_norm_(want_x.clone(), None, weight, 1e-5)
     assert torch.equal(alone, got)
+
+
+@pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"),
+    reason=f"no flush-to-zero control known on {platform.machine()}",
+)
+def test_the_float_ops_count_subnormals_as_zero_and_leave_the_callers_state():
+    """The native float ops flush subnormal floats (float_control.h: a wide softmax's
+    tiny terms cost a microcode assist each): rows of subnormal values, which torch's own
+    norm scales up to normal ones, come out as zeros on every row, on every thread that
+    took rows; integer and float products of them are zeros. The caller's thread does not
+    flush after any of them."""
+    import numpy as np
+
+    from kvpool.bench.random_blocks import TYPES, random_blocks
+
+    tiny = torch.full((64, 576), 1e-40)
+    weight = torch.ones(576)
+    assert (F.rms_norm(tiny, (576,), weight, 1e-6) > 1e-38).all()  # torch: normal floats
+    raw = torch.from_numpy(random_blocks("Q8_0", 64, 576, np.random.default_rng(0)))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        normed = ops.add_rms_norm_(tiny.clone(), None, weight, 1e-6)
+        assert torch.equal(normed, torch.zeros(64, 576))
+        assert not ops.flushes_denormals()
+        for mode in (0, 1):
+            y = ops.quant_matmul(tiny, [raw], [TYPES["Q8_0"][0]], mode, "")
+            assert torch.equal(y, torch.zeros(64, 64)), mode
+            assert not ops.flushes_denormals()
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -103,6 +104,80 @@ def test_a_chunks_error_reaches_the_caller_and_the_next_range_runs():
         ops.parallel_raises(8, 9)  # no chunk holds 9
 
 
+FLUSH_CONTROL = platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64")
+needs_flush_control = pytest.mark.skipif(
+    not FLUSH_CONTROL, reason=f"no flush-to-zero control known on {platform.machine()}"
+)
+
+
+def check_float_control(module) -> None:
+    """Every chunk of a parallel range computes under the calling thread's float control
+    (float_control.h), on whichever thread it runs: flushing subnormals under the ops'
+    scope, not flushing without it, flushing again where the caller set it itself (torch's
+    set_flush_denormal sets only the calling thread's). The scope leaves the caller's state
+    as it was."""
+    for flush in (True, False, True):
+        chunks = module.chunks_flush_denormals(16, flush)
+        assert [flushed for flushed, _ in chunks] == [flush] * 16
+        assert not module.flushes_denormals()
+    assert torch.set_flush_denormal(True)
+    try:
+        assert module.flushes_denormals()
+        assert all(flushed for flushed, _ in module.chunks_flush_denormals(16, False))
+    finally:
+        torch.set_flush_denormal(False)
+    assert not module.flushes_denormals()
+
+
+@needs_ops
+@needs_flush_control
+def test_every_chunk_computes_under_the_callers_float_control():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        check_float_control(ops)
+        chunks = ops.chunks_flush_denormals(16, True)
+        assert not all(on_caller for _, on_caller in chunks)  # a worker took some
+    finally:
+        torch.set_num_threads(before)
+
+
+# A fresh process whose first parallel region runs under the ops' scope, which starts
+# OpenMP's workers there. Prints one JSON line.
+_FIRST_REGION_FLUSHED = r"""
+import json
+import torch
+import torch.nn.functional as F
+from kvpool.model import native
+
+ops = native.native_ops()
+torch.set_num_threads(3)
+chunks = ops.chunks_flush_denormals(12, True)
+tiny = torch.full((96, 576), 1e-40)
+normed = F.rms_norm(tiny, (576,), torch.ones(576), 1e-6)
+print(json.dumps({"flushed": [flushed for flushed, _ in chunks],
+                  "workers": sum(not on_caller for _, on_caller in chunks),
+                  "torch_zero_rows": int((normed == 0).all(-1).sum())}))
+"""
+
+
+@needs_ops
+@needs_flush_control
+def test_threads_started_inside_a_flushing_op_do_not_flush_after_it():
+    """Threads inherit their creator's float state: OpenMP's workers, started by the
+    first parallel region (here inside an op's scope), would flush subnormals in all
+    their later work, torch's own ops included, had the region begun in the scope's
+    state. torch's norm of subnormal rows on those workers keeps them normal."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_REGION_FLUSHED], capture_output=True, text=True,
+        cwd=REPO, timeout=1200,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["flushed"] == [True] * 12 and report["workers"] > 0
+    assert report["torch_zero_rows"] == 0
+
+
 # Run in a process whose native ops are built without OpenMP. Prints one JSON line.
 _WITHOUT_OPENMP = r"""
 import json, sys
@@ -125,6 +200,8 @@ for _ in range(3):
     except RuntimeError as exc:
         assert "index 6 refused" in str(exc)
     ops.parallel_raises(8, 9)
+if t.FLUSH_CONTROL:
+    t.check_float_control(ops)
 import os, signal
 pid = os.fork()  # a child has none of the pool's workers: it must start its own
 if pid == 0:

@@ -3,9 +3,11 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <thread>
 #include <tuple>
 
 #include "decode_layers.h"
+#include "float_control.h"
 #include "native_ops.h"
 #include "parallel.h"
 
@@ -27,29 +29,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV store (one query token per sequence)", py::arg("q"),
         py::arg("layer_kv"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("block_size"), py::arg("scale"), py::arg("variant") = "", py::arg("window") = 0);
+        py::arg("block_size"), py::arg("scale"), py::arg("variant") = "", py::arg("window") = 0,
+        py::call_guard<kvp::FlushDenormals>());
   m.def("paged_attention", &paged_attention,
         "attention of any number of new tokens per sequence over a paged KV store of any "
         "element type (float32, bfloat16, float16, int8 with a scale per row)", py::arg("q"),
         py::arg("layer_kv"), py::arg("block_tables"), py::arg("context_lens"),
         py::arg("query_start"), py::arg("block_size"), py::arg("scale"),
-        py::arg("variant") = "", py::arg("window") = 0);
+        py::arg("variant") = "", py::arg("window") = 0,
+        py::call_guard<kvp::FlushDenormals>());
   m.def("add_rms_norm_", &add_rms_norm_,
         "x += y in place (y optional), then RMSNorm of x times weight, returned", py::arg("x"),
-        py::arg("y"), py::arg("weight"), py::arg("eps"), py::arg("variant") = "");
+        py::arg("y"), py::arg("weight"), py::arg("eps"), py::arg("variant") = "",
+        py::call_guard<kvp::FlushDenormals>());
   m.def("rope_write_kv", &rope_write_kv,
         "rotary embedding of Q and K, K and V written to the store's slots; returns Q",
         py::arg("qkv"), py::arg("cos"), py::arg("sin_signed"), py::arg("layer_kv"),
-        py::arg("slots"), py::arg("num_heads"), py::arg("variant") = "");
+        py::arg("slots"), py::arg("num_heads"), py::arg("variant") = "",
+        py::call_guard<kvp::FlushDenormals>());
   m.def("head_rms_norm", &head_rms_norm,
         "qkv rows with each Q head normed by q_weight and each K head by k_weight (RMSNorm "
         "over head_dim, as qwen3's), V as it was; a new tensor", py::arg("qkv"),
         py::arg("q_weight"), py::arg("k_weight"), py::arg("num_heads"), py::arg("num_kv_heads"),
-        py::arg("eps"), py::arg("variant") = "");
+        py::arg("eps"), py::arg("variant") = "",
+        py::call_guard<kvp::FlushDenormals>());
   m.def("silu_mul", &silu_mul,
         "silu(gate) * up of each row [gate | up], rounded where torch's F.silu(gate) * up "
         "rounds (exp: the kernels' own, within 2 float32 ulps)", py::arg("gate_up"),
-        py::arg("variant") = "");
+        py::arg("variant") = "",
+        py::call_guard<kvp::FlushDenormals>());
   m.def("argmax_rows", &argmax_rows,
         "each row's argmax as torch.argmax(x, -1) gives it (first index; NaN counts highest)");
   m.def("kernel_variants", &kernel_variants,
@@ -75,6 +83,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       TORCH_CHECK(!(from <= bad && bad < to), "index ", bad, " refused");
     });
   }, "for tests: a parallel_for whose chunk holding index bad throws");
+  m.def("flushes_denormals", &kvp::flushing_denormals, "whether the calling thread flushes subnormal floats to zero now (float_control.h; "
+     "the native float ops do while they run)");
+  m.def("chunks_flush_denormals", [](int64_t n, bool flush) {
+    std::vector<std::tuple<bool, bool>> chunks(n > 0 ? n : 0);
+    const auto caller = std::this_thread::get_id();
+    const auto run = [&] {
+      kvp::parallel_for(0, n, 1, [&](int64_t from, int64_t to) {
+        for (int64_t i = from; i < to; ++i)
+          chunks[i] = {kvp::flushing_denormals(), std::this_thread::get_id() == caller};
+      });
+    };
+    if (flush) {
+      const kvp::FlushDenormals scope;
+      run();
+    } else {
+      run();
+    }
+    return chunks;
+  }, "for tests: for each index of a parallel_for run under FlushDenormals (flush) or "
+     "as the caller is, whether its chunk flushed subnormals and ran on the calling thread");
   m.def("quant_dequantize", &quant_dequantize,
         "rows of GGUF blocks to float32 [rows, K] (bf16: to bf16, as a bf16 tile's weights)",
         py::arg("raw"), py::arg("qtype"), py::arg("k"), py::arg("variant") = "",
@@ -90,7 +118,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul,
         "x [M, K] times the stacked quantized parts transposed: [M, rows], float32 (or x's "
         "dtype with same_dtype)", py::arg("x"), py::arg("parts"), py::arg("types"),
-        py::arg("mode") = 0, py::arg("variant") = "", py::arg("same_dtype") = false);
+        py::arg("mode") = 0, py::arg("variant") = "", py::arg("same_dtype") = false,
+        py::call_guard<kvp::FlushDenormals>());
   // module_local: two builds of this module (another checkout's sources) can be loaded
   // in one process without their classes clashing in pybind11's registry
   py::class_<kvp::MixtureOfExperts, std::shared_ptr<kvp::MixtureOfExperts>>(
@@ -105,7 +134,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &kvp::MixtureOfExperts::run,
            "h [tokens, hidden] through each token's experts, weighted and summed",
            py::arg("h"), py::arg("mode"), py::arg("int8_max_rows"), py::arg("variant") = "",
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release, kvp::FlushDenormals>());
   py::class_<kvp::DecodeLayers>(m, "DecodeLayers", py::module_local(),
                                 "a model's layers for decode steps in one call (decode_layers.h)")
       .def(py::init<int64_t, double, double>(), py::arg("num_heads"), py::arg("eps"),
@@ -150,6 +179,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("heavy_attention"), py::arg("variant") = "",
            py::arg("query_start") = py::none(), py::arg("int8_max_rows") = -1,
            py::arg("local_cos") = py::none(), py::arg("local_sin") = py::none(),
-           py::call_guard<py::gil_scoped_release>())
+           py::call_guard<py::gil_scoped_release, kvp::FlushDenormals>())
       .def_property_readonly("num_layers", &kvp::DecodeLayers::num_layers);
 }

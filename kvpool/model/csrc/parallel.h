@@ -13,8 +13,10 @@
 // chunk) run on the calling thread, as OpenMP's do.
 //
 // Invariant either way: every index of [begin, end) is passed to f exactly once, in
-// chunks of consecutive indices; the first exception a chunk throws is rethrown to the
-// caller once every chunk has ended.
+// chunks of consecutive indices, each chunk under the calling thread's floating-point
+// control state (float_control.h: flushing subnormals or not), and a thread it starts
+// begins in the caller's own state (outside its FlushDenormals scopes); the first
+// exception a chunk throws is rethrown to the caller once every chunk has ended.
 
 #pragma once
 
@@ -22,6 +24,8 @@
 
 #include <cstdint>
 #include <functional>
+
+#include "float_control.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -35,7 +39,12 @@ constexpr bool kOpenMP = true;
 
 template <class F>
 inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  at::parallel_for(begin, end, grain, f);
+  const uint64_t control = float_control();
+  const OwnFloatControl own;  // (threads the region starts inherit the caller's own state)
+  at::parallel_for(begin, end, grain, [&](int64_t from, int64_t to) {
+    const ScopedFloatControl same(control);
+    f(from, to);
+  });
 }
 inline bool in_parallel_region() { return at::in_parallel_region(); }
 
@@ -53,7 +62,13 @@ void run_parallel(int64_t begin, int64_t end, int64_t grain,
 template <class F>
 inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (begin >= end) return;
-  run_parallel(begin, end, grain, std::function<void(int64_t, int64_t)>(std::cref(f)));
+  const uint64_t control = float_control();
+  const auto chunk = [&](int64_t from, int64_t to) {
+    const ScopedFloatControl same(control);
+    f(from, to);
+  };
+  const OwnFloatControl own;  // (threads the pool starts inherit the caller's own state)
+  run_parallel(begin, end, grain, std::function<void(int64_t, int64_t)>(std::cref(chunk)));
 }
 
 #endif
