@@ -120,12 +120,12 @@ def check_float_control(module) -> None:
         chunks = module.chunks_flush_denormals(16, flush)
         assert [flushed for flushed, _ in chunks] == [flush] * 16
         assert not module.flushes_denormals()
-    assert torch.set_flush_denormal(True)
-    try:
-        assert module.flushes_denormals()
-        assert all(flushed for flushed, _ in module.chunks_flush_denormals(16, False))
-    finally:
-        torch.set_flush_denormal(False)
+    if torch.set_flush_denormal(True):  # (False where torch's build cannot set it)
+        try:
+            assert module.flushes_denormals()
+            assert all(flushed for flushed, _ in module.chunks_flush_denormals(16, False))
+        finally:
+            torch.set_flush_denormal(False)
     assert not module.flushes_denormals()
 
 

@@ -83,8 +83,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       TORCH_CHECK(!(from <= bad && bad < to), "index ", bad, " refused");
     });
   }, "for tests: a parallel_for whose chunk holding index bad throws");
-  m.def("flushes_denormals", &kvp::flushing_denormals, "whether the calling thread flushes subnormal floats to zero now (float_control.h; "
-     "the native float ops do while they run)");
+  m.def("flushes_denormals", &kvp::flushing_denormals,
+        "whether the calling thread flushes subnormal floats to zero now (float_control.h; "
+        "the native float ops do while they run)");
   m.def("chunks_flush_denormals", [](int64_t n, bool flush) {
     std::vector<std::tuple<bool, bool>> chunks(n > 0 ? n : 0);
     const auto caller = std::this_thread::get_id();

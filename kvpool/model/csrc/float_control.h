@@ -6,10 +6,9 @@
 // x86 core takes a microcode assist, ~100 cycles, for each vector operation with a
 // subnormal operand or result, and attention makes them by the thousand where scores
 // spread wide: a softmax weight near exp(-87) times a value of 0.01 is subnormal, and a
-// running sum of such terms stays so until the row's largest weight comes. Measured
-// (docs/performance.md): a 1B-class file's 512-token prefill spent 35% of its time in
-// the prompt attention's value sums, 340 tok/s against 565 with them flushed. What is
-// lost is below 2^-126 (~1.2e-38) in size, next to terms of order one.
+// running sum of such terms stays so until the row's largest weight comes (a 1B-class
+// file's prefill spent a third of its time so: docs/performance.md, thirty-ninth
+// session). What is lost is below 2^-126 (~1.2e-38) in size, next to terms of order one.
 //
 // kvp::parallel_for runs each chunk under the state of the thread that called it
 // (ScopedFloatControl): OpenMP's workers keep their own state otherwise, so a chunk
@@ -45,7 +44,9 @@ inline uint64_t float_control() {
   __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
   return fpcr;
 }
-inline void set_float_control(uint64_t control) { __asm__ volatile("msr fpcr, %0" : : "r"(control)); }
+inline void set_float_control(uint64_t control) {
+  __asm__ volatile("msr fpcr, %0" : : "r"(control));
+}
 #else
 constexpr uint64_t kFlushDenormals = 0;  // (no such control known here: left as it is)
 inline uint64_t float_control() { return 0; }
@@ -88,40 +89,32 @@ inline FlushScopes& flush_scopes() {
 // parallel_for, in the chunks other threads take from it).
 class FlushDenormals {
  public:
-  FlushDenormals() : saved_(float_control()) {
-    FlushScopes& scopes = flush_scopes();
-    if (scopes.depth++ == 0) scopes.own = saved_;
-    if ((saved_ | kFlushDenormals) != saved_) set_float_control(saved_ | kFlushDenormals);
-  }
-  ~FlushDenormals() {
-    --flush_scopes().depth;
-    if (float_control() != saved_) set_float_control(saved_);
-  }
-  FlushDenormals(const FlushDenormals&) = delete;
-  FlushDenormals& operator=(const FlushDenormals&) = delete;
+  FlushDenormals() : scope_(enter()) {}
+  ~FlushDenormals() { --flush_scopes().depth; }
 
  private:
-  uint64_t saved_;
+  static uint64_t enter() {
+    FlushScopes& scopes = flush_scopes();
+    const uint64_t now = float_control();
+    if (scopes.depth++ == 0) scopes.own = now;
+    return now | kFlushDenormals;
+  }
+  ScopedFloatControl scope_;
 };
 
 // For its lifetime, the thread is back in its own state (outside its FlushDenormals
-// scopes; as it was where none is open): a thread starts with its creator's state, and
-// a parallel region may start its pool's threads, which outlive the scope (OpenMP's
+// scopes; as it is where none is open): a thread starts with its creator's state, and a
+// parallel region may start its pool's threads, which outlive the scope (OpenMP's
 // workers) and would flush in all their later work, torch's own ops' included.
-class OwnFloatControl {
+class OwnFloatControl : public ScopedFloatControl {
  public:
-  OwnFloatControl() : saved_(float_control()) {
-    const FlushScopes& scopes = flush_scopes();
-    if (scopes.depth > 0 && scopes.own != saved_) set_float_control(scopes.own);
-  }
-  ~OwnFloatControl() {
-    if (float_control() != saved_) set_float_control(saved_);
-  }
-  OwnFloatControl(const OwnFloatControl&) = delete;
-  OwnFloatControl& operator=(const OwnFloatControl&) = delete;
+  OwnFloatControl() : ScopedFloatControl(own()) {}
 
  private:
-  uint64_t saved_;
+  static uint64_t own() {
+    const FlushScopes& scopes = flush_scopes();
+    return scopes.depth > 0 ? scopes.own : float_control();
+  }
 };
 
 }  // namespace kvp
