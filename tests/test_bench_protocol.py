@@ -193,3 +193,40 @@ def test_a_llama_cpp_that_crashes_is_named_and_its_column_left_empty(monkeypatch
     order.clear()
     model.run(rounds=1, model="m", against=["llama.cpp"])
     assert "left empty (nan)\n" in capsys.readouterr().err  # no AMX: no advice about it
+
+
+_FAKE_SERVER = """#!{python}
+import http.server, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+answers = []
+
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # loading (503) for its first two polls, then ready
+        answers.append(self.path)
+        self.send_response(503 if len(answers) <= 2 else 200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_llama_cpps_load_time_is_its_servers_start_to_ready(tmp_path):
+    """llama.cpp's load figure: ``llama-server`` from its start to its first healthy
+    answer (a stand-in server here, loading for two polls), beside its peak memory."""
+    import sys
+
+    from kvpool.bench import llama_cpp
+
+    fake = tmp_path / "llama-server"
+    fake.write_text(_FAKE_SERVER.format(python=sys.executable))
+    fake.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"\0" * 1024)
+    figures = llama_cpp.serve(tmp_path, gguf, 2, (), {}, 16, 640)
+    assert set(figures) == {"load_s", "peak_rss_mib"}
+    assert figures["load_s"] >= 0.4  # two polls answered 503, 0.2 s apart

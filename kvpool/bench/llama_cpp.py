@@ -107,9 +107,11 @@ def serve(
 ) -> dict:
     """Aggregate decode tokens/s at each batch size through ``llama-server`` (one slot per
     stream, a context of ``kv_tokens`` shared by the slots), the best of ``repeats`` runs,
-    and its peak memory."""
+    its peak memory, and its load time: from its start to its first healthy answer (its
+    model read, its KV allocated and its warm-up run; polled every 0.2 s)."""
     port = _free_port()
     slots = max(batches, default=1)
+    started = time.monotonic()
     proc = subprocess.Popen(
         [str(bin_dir / "llama-server"), "-m", str(model), "-t", str(threads), "-fa", "off",
          "-np", str(slots), "-c", str(kv_tokens), "--host", "127.0.0.1", "--port", str(port),
@@ -132,7 +134,7 @@ def serve(
             if time.monotonic() > deadline:
                 raise RuntimeError("llama-server did not become ready")
             time.sleep(0.2)
-        result = {}
+        result = {"load_s": time.monotonic() - started}
         for batch in batches:  # (none: only the peak memory of the loaded server)
             rates = [asyncio.run(_decode_rate(url, prompts[batch], decode)) for _ in range(repeats)]
             result[f"decode_b{batch}_tok_s"] = max(rates)

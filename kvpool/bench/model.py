@@ -6,7 +6,9 @@ host memory, and on a GPU also the most its tensors took there). Any GGUF file
 is left out for files over 1 GiB unless asked for (it dequantizes every weight to
 float).
 
-Figures: load time; prefill tokens/s for a 512-token prompt; decode tokens/s at batch 1, 8
+Figures: load time (kvpool: ``load_model``, its dtype and crossover measurements
+included; llama.cpp: ``llama-server`` from its start to its first healthy answer, its
+warm-up included); prefill tokens/s for a 512-token prompt; decode tokens/s at batch 1, 8
 and 32 (100-token prompts, the time of the N decode steps after the first token, so
 prefill is not counted: for transformers, whose ``generate()`` does both, the time of
 N+1 generated tokens minus the time of 1); peak resident memory of the process. kvpool
@@ -255,8 +257,7 @@ def _llama_cpp_side(bin_dir, model: str | None, threads: int) -> dict[str, float
         bin_dir, path, threads, tuple(b for b in BATCHES if b > 1), prompts, DECODE_STEPS,
         kv_tokens(), REPEATS,
     )  # fmt: skip
-    figures.update(served)
-    figures["load_s"] = float("nan")
+    figures.update(served)  # (its load time: llama-server's, start to ready)
     return figures
 
 
