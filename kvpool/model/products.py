@@ -134,22 +134,25 @@ def calibrate(
     One row is measured too: plain C++ integer kernels (the generic variant) can win a
     decode step's one row and lose at eight."""
     ops = native_ops()
+
+    def int8_wins(x: torch.Tensor, elapsed: dict[int, float]) -> bool:
+        """Three more alternating runs a mode into ``elapsed`` (each mode's fastest);
+        whether int8's is still the faster."""
+        for _ in range(3):
+            for mode in elapsed:
+                start = time.perf_counter()
+                ops.quant_matmul(x, linear.raws, linear.types, mode, linear.policy.variant)
+                elapsed[mode] = min(elapsed[mode], time.perf_counter() - start)
+        return elapsed[INT8] <= elapsed[tiles]
+
     best: int | None = 0
     for rows in sizes:
         x = torch.randn(rows, linear.cols)
         elapsed = {INT8: float("inf"), tiles: float("inf")}
-        # three alternating runs a mode; where tiles win, three more before that is taken:
-        # a busy moment of the machine across int8's runs would hand the step sizes from
-        # there on to the slower kind (seen with another process's tests running beside)
-        for _ in range(2):
-            for _ in range(3):
-                for mode in elapsed:
-                    start = time.perf_counter()
-                    ops.quant_matmul(x, linear.raws, linear.types, mode, linear.policy.variant)
-                    elapsed[mode] = min(elapsed[mode], time.perf_counter() - start)
-            if elapsed[INT8] <= elapsed[tiles]:
-                break
-        if elapsed[INT8] > elapsed[tiles]:
+        # where tiles win, three more runs a mode decide: a busy moment of the machine
+        # across int8's runs would hand the step sizes from there on to the slower kind
+        # (seen with another process's tests running beside)
+        if not (int8_wins(x, elapsed) or int8_wins(x, elapsed)):
             return best
         best = rows
     return None
