@@ -1,7 +1,7 @@
 """Small GGUF files with random weights, written by the tests (gguf's GGUFWriter).
 
 Each architecture the runtime supports, with chosen ggml types per tensor. K-quant
-types, which the gguf package cannot quantize, are written as random blocks
+and IQ4 types, which the gguf package cannot quantize, are written as random blocks
 (``kvpool.bench.random_blocks``: valid, finite blocks with small fp16 scales).
 """
 
@@ -129,7 +129,7 @@ def write_model(
             writer.add_tensor(name, data)
         elif qname == "F16":
             writer.add_tensor(name, data.astype(np.float16))
-        elif qname.endswith("_K"):
+        elif qname.endswith("_K") or qname.startswith("IQ"):
             rows = int(np.prod(shape[:-1]))
             raw = random_blocks(qname, rows, shape[-1], rng, scale=0.15)
             raw = raw.reshape(*shape[:-1], raw.shape[-1])

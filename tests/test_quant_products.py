@@ -19,7 +19,7 @@ ops = native_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="native ops not built here")
 VARIANTS = ["avx512-amx", "avx512-bf16", "avx512-vnni", "avx2", "aarch64-dotprod", "generic"]
 X86_VARIANTS = VARIANTS[:4]  # one integer form: their products agree bit for bit
-INT8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+INT8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 # int8 products against the float ones, one product of random data: share of the
 # largest output (measured: 0.4-1.2%)
 INT8_PRODUCT_BOUND = 0.03

@@ -46,6 +46,11 @@ MIXES = {
         "attn_v.weight": "Q3_K", "attn_output.weight": "Q2_K", "ffn_gate.weight": "Q3_K",
         "ffn_up.weight": "Q2_K", "ffn_down.weight": "Q3_K", "output.weight": "Q6_K",
     },
+    "iq4": {
+        "token_embd.weight": "IQ4_XS", "attn_q.weight": "IQ4_NL", "attn_k.weight": "IQ4_XS",
+        "attn_v.weight": "IQ4_NL", "attn_output.weight": "IQ4_XS", "ffn_gate.weight": "IQ4_XS",
+        "ffn_up.weight": "IQ4_NL", "ffn_down.weight": "IQ4_XS", "output.weight": "Q6_K",
+    },
 }  # fmt: skip
 # The quantized path's logits against the dequantized reference: float products are
 # exact up to the order of sums; int8 products (activations quantized per block of 32)

@@ -21,6 +21,8 @@ TYPES: dict[str, tuple[int, int, int, tuple[int, ...], tuple[int, ...]]] = {
     "Q4_K": (12, 256, 144, (0,), (2,)),
     "Q5_K": (13, 256, 176, (0,), (2,)),
     "Q6_K": (14, 256, 210, (208,), ()),
+    "IQ4_NL": (20, 32, 18, (0,), ()),
+    "IQ4_XS": (23, 256, 136, (0,), ()),
 }
 
 
@@ -41,7 +43,9 @@ def random_blocks(
     count = rows * cols // elems
     blocks = rng.integers(0, 256, size=(count, size), dtype=np.uint8)
     # a value's spread is about step * levels: keep it near `scale` whatever the type
+    # (IQ4: levels to +-127; IQ4_XS's unit scales to +-32 besides)
     levels = {"Q8_0": 128, "Q6_K": 32 * 64, "Q5_0": 16, "Q5_1": 32, "Q5_K": 32 * 64}
+    levels |= {"IQ4_NL": 128, "IQ4_XS": 128 * 32}
     step = scale / levels.get(qtype, 16 if elems == 32 else 16 * 64)
     for off in scales:
         d = rng.uniform(0.5 * step, 1.5 * step, size=count).astype(np.float16)

@@ -8,7 +8,9 @@ lengths included; each preset's parameter count is the published one: tested); m
 llama.cpp's quantize rules: ``Q4_0`` and ``Q8_0`` quantize every matrix alike (Q4_0's output
 head is Q6_K, as llama.cpp makes it), ``Q4_K_M`` uses Q4_K with Q6_K for the output head and
 for ``attn_v`` / ``ffn_down`` in the layers llama.cpp gives more bits (the first and last
-eighth, and every third in between); ``Q5_K_M`` the same with Q5_K. A tied embedding is the
+eighth, and every third in between); ``Q5_K_M`` the same with Q5_K; ``IQ4_XS`` (without an
+importance matrix) uses IQ4_XS with Q6_K for the head, Q5_K for ``attn_v`` where four or more
+query heads share a KV head and for the first eighth's ``ffn_down``. A tied embedding is the
 head, so it gets the head's type. The vocabulary is a SentencePiece one of the real size
 (byte tokens, a few pieces and fillers) with a ChatML template.
 """
@@ -81,9 +83,11 @@ PRESETS = {
     "gemma3-1b": Geometry("gemma3", 1152, 26, 4, 1, 6912, 262144, True, **_G3_1B),
     "gemma3-4b": Geometry("gemma3", 2560, 34, 8, 4, 10240, 262208, True, rope_linear=8.0, **_G3),
 }
-MIXES = ("Q4_0", "Q8_0", "Q4_K_M", "Q5_K_M")
-FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}  # llama.cpp's, for such rows
-FILE_TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17}  # llama.cpp's general.file_type
+MIXES = ("Q4_0", "Q8_0", "Q4_K_M", "Q5_K_M", "IQ4_XS")
+# llama.cpp's, for rows that are not whole 256-blocks
+FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
+# llama.cpp's general.file_type
+FILE_TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "IQ4_XS": 30}
 WEIGHT_SCALE = 0.06  # spread of the random weights (keeps activations finite and moving)
 
 
@@ -100,6 +104,12 @@ def tensor_type(mix: str, name: str, layer: int, geometry: Geometry) -> str:
         qtype = "Q8_0"
     elif mix == "Q4_0":
         qtype = "Q6_K" if head else "Q4_0"
+    elif mix == "IQ4_XS":  # (no importance matrix: the first eighth's ffn_down get Q5_K)
+        grouped = geometry.heads // geometry.kv_heads >= 4
+        more = (name.endswith("attn_v.weight") and grouped) or (
+            name.endswith("ffn_down.weight") and layer < geometry.layers // 8
+        )
+        qtype = "Q6_K" if head else "Q5_K" if more else "IQ4_XS"
     else:  # Q4_K_M, Q5_K_M
         more = name.endswith(("attn_v.weight", "ffn_down.weight"))
         base = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}[mix]
@@ -249,7 +259,7 @@ def write(
     for name, shape, layer in tensors:
         router = name.endswith("ffn_gate_inp.weight")
         qtype = "F32" if len(shape) == 1 or router else tensor_type(mix, name, layer, g)
-        if qtype.endswith("_K") and shape[-1] % 256:
+        if qtype in FALLBACK and shape[-1] % 256:
             # rows that are not whole 256-blocks (Gemma 3 1B's 1152): llama.cpp's quantize
             # falls back to a legacy type of as many bits or more
             qtype = FALLBACK[qtype]

@@ -27,12 +27,19 @@ namespace kvp {
 // ggml type ids
 enum QType : int {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
-  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kBF16 = 30,
+  kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23,
+  kBF16 = 30,
 };
+
+// IQ4_NL's and IQ4_XS's 16 levels (a nibble picks one; ggml's kvalues_iq4nl): int8
+// values, so integer products take them as Q8_0's.
+static const int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1,    13,   25,  38,  53,  69,  89,  113};
 
 // Elements and bytes of one block.
 static KVP_ALWAYS_INLINE int block_elems(int t) {
-  return (t == kQ2_K || t == kQ3_K || t == kQ4_K || t == kQ5_K || t == kQ6_K) ? 256
+  return (t == kQ2_K || t == kQ3_K || t == kQ4_K || t == kQ5_K || t == kQ6_K || t == kIQ4_XS)
+             ? 256
          : (t == kF32 || t == kF16 || t == kBF16) ? 1 : 32;
 }
 static KVP_ALWAYS_INLINE int block_bytes(int t) {
@@ -49,6 +56,8 @@ static KVP_ALWAYS_INLINE int block_bytes(int t) {
     case kQ4_K: return 144;
     case kQ5_K: return 176;
     case kQ6_K: return 210;
+    case kIQ4_NL: return 18;
+    case kIQ4_XS: return 136;
     default: return 0;
   }
 }
@@ -241,6 +250,28 @@ static KVP_ALWAYS_INLINE void dequantize_block(int t, const uint8_t* __restrict 
               y[32 * i + l] = scale * (q - 32);
             }
           }
+        }
+      }
+      return;
+    }
+    case kIQ4_NL: {  // d, qs[16]: value i the level of qs[i]'s low nibble, i + 16 its high
+      const float d = read_fp16(b);
+      for (int i = 0; i < 16; ++i) {
+        y[i] = d * (float)kIQ4Levels[b[2 + i] & 0xF];
+        y[i + 16] = d * (float)kIQ4Levels[b[2 + i] >> 4];
+      }
+      return;
+    }
+    case kIQ4_XS: {  // d, scales_h (2 bits a unit), scales_l[4] (4 bits a unit), qs[128]
+      const float d = read_fp16(b);
+      const uint16_t high = (uint16_t)(b[2] | (b[3] << 8));
+      for (int j = 0; j < 8; ++j, y += 32) {
+        const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((high >> (2 * j)) & 3) << 4);
+        const float dl = d * (float)(ls - 32);
+        const uint8_t* q = b + 8 + 16 * j;
+        for (int i = 0; i < 16; ++i) {
+          y[i] = dl * (float)kIQ4Levels[q[i] & 0xF];
+          y[i + 16] = dl * (float)kIQ4Levels[q[i] >> 4];
         }
       }
       return;
