@@ -486,7 +486,34 @@ def test_synth_model_refuses_an_unknown_preset_writing_nothing(tmp_path: Path, c
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q4_0", "Q8_0"])
+def test_synth_models_iq4_xs_mix_follows_llama_cpps_rules(tmp_path: Path):
+    """IQ4_XS without an importance matrix: the head Q6_K, attn_v Q5_K where four or more
+    query heads share a KV head, the first eighth's ffn_down Q5_K; rows that are not whole
+    256-blocks fall back to IQ4_NL (SmolLM2's 576-wide hidden size)."""
+    import dataclasses
+
+    from kvpool.bench.synth_model import PRESETS, tensor_type, write
+    from kvpool.formats.gguf_header import read_gguf_header
+
+    g = PRESETS["llama-3.2-1b"]  # 16 layers, 32 heads over 8 KV heads
+    kinds = {
+        ("output.weight", -1): "Q6_K", ("blk.0.attn_v.weight", 0): "Q5_K",
+        ("blk.1.ffn_down.weight", 1): "Q5_K", ("blk.2.ffn_down.weight", 2): "IQ4_XS",
+        ("blk.5.attn_q.weight", 5): "IQ4_XS", ("blk.5.ffn_up.weight", 5): "IQ4_XS",
+    }  # fmt: skip
+    assert {key: tensor_type("IQ4_XS", *key, g) for key in kinds} == kinds
+    assert tensor_type("IQ4_XS", "token_embd.weight", -1, g) == "Q6_K"  # tied: the head
+    tiny = dataclasses.replace(PRESETS["smollm2-135m"], layers=2, ffn=512, vocab=2048)
+    path = write(tiny, "IQ4_XS", tmp_path / "tiny.gguf", progress=False)
+    types = {t.name: t.ggml_type for t in read_gguf_header(path).tensors}
+    assert types["blk.0.attn_q.weight"] == 20 and types["blk.0.ffn_up.weight"] == 20  # IQ4_NL
+    config, weights = load_gguf_weights(path, quantized=_native() is not None)
+    model = LlamaModel(config, weights, torch.device("cpu"), torch.float32)
+    logits = _logits(model, [(3 * i + 7) % 2000 for i in range(20)])
+    assert logits.isfinite().all() and logits.std() > 0.1
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q4_0", "Q8_0", "IQ4_XS"])
 @pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-30b-a3b"])
 def test_synth_model_writes_a_qwen3_file_the_runtime_loads(tmp_path: Path, mix: str, preset):
     """A qwen3 geometry shrunk to test size, written by ``kvpool bench synth-model``'s
@@ -507,7 +534,7 @@ def test_synth_model_writes_a_qwen3_file_the_runtime_loads(tmp_path: Path, mix: 
     infos = {t.name: t for t in read_gguf_header(path).tensors}
     types = {name: t.ggml_type for name, t in infos.items()}
     assert len(set(types.values())) >= (3 if mix.endswith("_K_M") else 2)  # F32 norms too
-    base = {"Q4_K_M": 12, "Q5_K_M": 13, "Q4_0": 2, "Q8_0": 8}[mix]  # Q4_K, Q5_K
+    base = {"Q4_K_M": 12, "Q5_K_M": 13, "Q4_0": 2, "Q8_0": 8, "IQ4_XS": 23}[mix]  # Q4_K, Q5_K
     assert types["blk.0.attn_q.weight"] == base
     if tiny.experts:
         assert tuple(infos["blk.0.ffn_down_exps.weight"].shape) == (256, 256, 8)  # ggml order
