@@ -161,7 +161,7 @@ def test_int8_products_on_the_default_model_stay_near_the_float_ones(default_mod
     assert agree >= 0.9 * positions
 
 
-PACKABLE = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+PACKABLE = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
 PACKED = 0x100
 
 
@@ -215,8 +215,9 @@ def test_the_packed_layout_holds_the_same_values(qtype, variant):
     tid = TYPES[qtype][0]
     raw = blocks(qtype, 24, 512, seed=3)
     packed = ops.quant_pack(raw, tid)
-    # the K-quants' scales unpacked: 32 bytes more per 8 blocks (Q4_K +2.8%, Q5_K +2.3%)
-    extra = raw.numel() * 32 // (8 * TYPES[qtype][2]) if qtype in ("Q4_K", "Q5_K") else 0
+    # the scales unpacked: 32 bytes more per 8 blocks (Q4_K +2.8%, Q5_K +2.3%), IQ4_XS's 16
+    more = {"Q4_K": 32, "Q5_K": 32, "IQ4_XS": 16}.get(qtype, 0)
+    extra = raw.numel() * more // (8 * TYPES[qtype][2])
     assert packed.numel() == raw.numel() + extra and packed.shape[0] == 3
     want = dequantize(raw.numpy(), GGMLQuantizationType(tid))
     assert np.array_equal(ops.quant_dequantize(packed, tid | PACKED, 512, variant).numpy(), want)
@@ -249,7 +250,7 @@ def test_packed_products_equal_the_row_kernels(qtype, variant):
     1 rows (from 32 rows, AVX-512 takes two units a row's visit: 25 units a row, for the
     odd one left)."""
     tid = TYPES[qtype][0]
-    k = 768 if qtype.endswith("_K") else 800
+    k = 768 if TYPES[qtype][1] == 256 else 800
     raw = blocks(qtype, 40, k, seed=4)
     packed = ops.quant_pack(raw, tid)
     x = torch.randn(37, k, generator=torch.Generator().manual_seed(4))

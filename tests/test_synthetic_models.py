@@ -311,7 +311,8 @@ def _skip_without_packed_kernels() -> None:
 
 @pytest.mark.skipif(_native() is None, reason="the native ops are not built here")
 @pytest.mark.parametrize(
-    "arch, mix", [("llama", "legacy"), ("llama", "k-quants"), ("qwen3moe", "k-quants")]
+    "arch, mix",
+    [("llama", "legacy"), ("llama", "k-quants"), ("llama", "iq4"), ("qwen3moe", "k-quants")],
 )
 def test_matrices_packed_slice_by_slice_equal_those_packed_whole(tmp_path, monkeypatch, arch, mix):
     """The loader packs a matrix a slice of 8-row groups at a time (the staging buffer's
@@ -509,8 +510,17 @@ def test_synth_models_iq4_xs_mix_follows_llama_cpps_rules(tmp_path: Path):
     assert types["blk.0.attn_q.weight"] == 20 and types["blk.0.ffn_up.weight"] == 20  # IQ4_NL
     config, weights = load_gguf_weights(path, quantized=_native() is not None)
     model = LlamaModel(config, weights, torch.device("cpu"), torch.float32)
-    logits = _logits(model, [(3 * i + 7) % 2000 for i in range(20)])
+    prompt = [(3 * i + 7) % 2000 for i in range(20)]
+    logits = _logits(model, prompt)
     assert logits.isfinite().all() and logits.std() > 0.1
+    if _native() is not None:  # packed where the kernels pack (x86), int8 products
+        from kvpool.model.native import kernel_variant
+        from kvpool.model.products import ProductPolicy
+
+        _, weights = load_gguf_weights(path, quantized=True, pack_variant=kernel_variant())
+        fast = LlamaModel(config, weights, torch.device("cpu"), torch.float32, ProductPolicy())
+        error = (_logits(fast, prompt) - logits).abs().max().item()
+        assert error < INT8_LOGIT_BOUND * logits.abs().max().item()
 
 
 @pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q4_0", "Q8_0", "IQ4_XS"])

@@ -18,6 +18,10 @@
 //                  size)
 //   Q5_K (1440 B): Q4_K's header | 8 units x (nibbles[128] | fifth bits[32])
 //   Q6_K (1680 B): d[8] | sc[16][8] (int8) | 8 units x (nibbles[128] | high bits[64])
+//   IQ4_NL (144 B): d[8] | nibbles[128]                (Q4_0's; a nibble picks a level)
+//   IQ4_XS (1104 B): d[8] | sc[8][8] (int8: the unit's 6-bit scale less 32) |
+//                  8 units x nibbles[128]             (the scales a byte each: 16 bytes
+//                  more per 8 blocks, 1.5%)
 // nibbles[128], 4 vectors t: byte 32 t + 4 r + i = value 8 t + i of row r (low nibble)
 //   and value 8 t + 4 + i (high nibble).
 // q[256], 8 vectors j: byte 32 j + 4 r + i = value 4 j + i of row r.
@@ -42,30 +46,36 @@ constexpr int kGroup = 8;
 static constexpr bool five_bit(int t) { return t == kQ5_0 || t == kQ5_K; }
 // Q4_K and Q5_K: scales and mins, the header's 6-bit pairs unpacked to a byte each.
 static constexpr bool k_with_mins(int t) { return t == kQ4_K || t == kQ5_K; }
+// IQ4_NL and IQ4_XS: nibbles that pick int8 levels (kIQ4Levels).
+static constexpr bool iq4(int t) { return t == kIQ4_NL || t == kIQ4_XS; }
+// Formats whose values the kernels multiply as signed int8: Q8_0's, IQ4's levels.
+static constexpr bool signed_values(int t) { return t == kQ8_0 || iq4(t); }
 
 static inline bool packable(int t) {
   return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ8_0 || t == kQ4_K || t == kQ5_K ||
-         t == kQ6_K;
+         t == kQ6_K || iq4(t);
 }
 
 // Bytes of a packed group-block's header, and of the group-block.
 static inline int header_bytes(int t) {
   switch (t) {
-    case kQ4_0: case kQ5_0: case kQ8_0: return 16;
+    case kQ4_0: case kQ5_0: case kQ8_0: case kIQ4_NL: return 16;
     case kQ4_1: return 32;
+    case kIQ4_XS: return 16 + 64;
     case kQ4_K: case kQ5_K: return 16 + 16 + 64 + 64;
     case kQ6_K: return 16 + 128;
     default: return 0;
   }
 }
 static inline int64_t group_block_bytes(int t) {
-  return 8 * (int64_t)block_bytes(t) + (k_with_mins(t) ? 32 : 0);
+  return 8 * (int64_t)block_bytes(t) + (k_with_mins(t) ? 32 : t == kIQ4_XS ? 16 : 0);
 }
 // Bytes of one packed group of 8 rows of k values.
 static inline int64_t group_bytes(int t, int64_t k) { return k / block_elems(t) * group_block_bytes(t); }
 
 // Value e (0..31) of unit j of a file block, as the unsigned (Q4_0, Q4_1, Q4_K: 0..15;
-// Q5_0, Q5_K: 0..31; Q6_K: 0..63) or signed (Q8_0) integer the format stores.
+// Q5_0, Q5_K: 0..31; Q6_K: 0..63; IQ4's level indices: 0..15) or signed (Q8_0) integer
+// the format stores.
 template <int T>
 static inline int unit_value_t(const uint8_t* b, int j, int e) {
   switch (T) {
@@ -86,6 +96,8 @@ static inline int unit_value_t(const uint8_t* b, int j, int e) {
       const int high = (b[128 + 32 * n + e] >> (2 * i)) & 3;
       return low | (high << 4);
     }
+    case kIQ4_NL: return e < 16 ? b[2 + e] & 0xF : b[2 + e - 16] >> 4;
+    case kIQ4_XS: return e < 16 ? b[8 + 16 * j + e] & 0xF : b[8 + 16 * j + e - 16] >> 4;
     default: return 0;
   }
 }
@@ -111,7 +123,16 @@ static inline void pack_group_t(const uint8_t* rows, int64_t row_bytes, uint8_t*
     // headers
     for (int r = 0; r < kGroup; ++r) {
       switch (t) {
-        case kQ4_0: case kQ5_0: case kQ8_0: memcpy(o + 2 * r, src[r], 2); break;
+        case kQ4_0: case kQ5_0: case kQ8_0: case kIQ4_NL: memcpy(o + 2 * r, src[r], 2); break;
+        case kIQ4_XS: {  // d, then each unit's scale (scales_h: 2 bits a unit, scales_l: 4)
+          memcpy(o + 2 * r, src[r], 2);
+          const int high = src[r][2] | (src[r][3] << 8);
+          for (int j = 0; j < 8; ++j) {
+            const int ls = ((src[r][4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((high >> (2 * j)) & 3) << 4);
+            o[16 + 8 * j + r] = (uint8_t)(int8_t)(ls - 32);
+          }
+          break;
+        }
         case kQ4_1: memcpy(o + 2 * r, src[r], 2); memcpy(o + 16 + 2 * r, src[r] + 2, 2); break;
         case kQ4_K: case kQ5_K:
           memcpy(o + 2 * r, src[r], 2);
@@ -178,6 +199,8 @@ static inline void pack_group(int t, const uint8_t* rows, int64_t row_bytes, uin
     case kQ4_K: return pack_group_t<kQ4_K>(rows, row_bytes, out);
     case kQ5_K: return pack_group_t<kQ5_K>(rows, row_bytes, out);
     case kQ6_K: return pack_group_t<kQ6_K>(rows, row_bytes, out);
+    case kIQ4_NL: return pack_group_t<kIQ4_NL>(rows, row_bytes, out);
+    case kIQ4_XS: return pack_group_t<kIQ4_XS>(rows, row_bytes, out);
     default: return;
   }
 }
