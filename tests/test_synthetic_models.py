@@ -487,6 +487,20 @@ def test_synth_model_refuses_an_unknown_preset_writing_nothing(tmp_path: Path, c
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.skipif(_native() is None, reason="the native ops are not built here")
+def test_the_compute_line_names_matrices_dequantized_at_load(tmp_path: Path, monkeypatch):
+    """A type the kernels do not read is dequantized at load, and the line says so (how
+    many matrices of which type); a file of types they read has no such words."""
+    import kvpool.model.loader as loader
+
+    path = write_model(tmp_path / "m.gguf", "llama", MIXES["legacy"])  # Q8_0: 3 matrices
+    line = loader.load_model(str(path), dtype="float32", progress=False).compute_line()
+    assert "weights kept quantized" in line and "dequantized at load" not in line
+    monkeypatch.setattr(loader, "KEPT_QUANTIZED", loader.KEPT_QUANTIZED - {8})
+    line = loader.load_model(str(path), dtype="float32", progress=False).compute_line()
+    assert line.endswith("; matrices dequantized at load: 3 Q8_0"), line
+
+
 def test_synth_models_iq4_xs_mix_follows_llama_cpps_rules(tmp_path: Path):
     """IQ4_XS without an importance matrix: the head Q6_K, attn_v Q5_K where four or more
     query heads share a KV head, the first eighth's ffn_down Q5_K; rows that are not whole

@@ -14,14 +14,15 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvpool.formats.gguf_header import read_gguf_header
+from kvpool.formats.gguf_header import GGML_TYPES, read_gguf_header
 from kvpool.model.config import ModelConfig
 from kvpool.model.cpu import cpu_features
 from kvpool.model.gguf_weights import KEPT_QUANTIZED, load_gguf_weights
@@ -88,6 +89,8 @@ class LoadedModel:
     native_seconds: float = 0.0  # readying the native ops: a build on an install's first start
     dtype_choice: str = ""  # the compute dtype and why it was chosen (one line)
     dtype_seconds: dict[str, float] | None = None  # measured decode step per dtype
+    # matrices of quantized types the kernels do not read, dequantized at load: by type
+    dequantized: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -106,7 +109,11 @@ class LoadedModel:
         if device.type == "cuda":  # the CPU's features are in the dtype's reason
             line += f" on {device} ({torch.cuda.get_device_name(device)})"
         if isinstance(self.model.layers[0].o, QuantLinear):
-            return line + f"; weights kept quantized, {self.model.products.describe()}"
+            line += f"; weights kept quantized, {self.model.products.describe()}"
+            if self.dequantized:  # formats the kernels do not read
+                kinds = ", ".join(f"{n} {t}" for t, n in sorted(self.dequantized.items()))
+                line += f"; matrices dequantized at load: {kinds}"
+            return line
         if device.type == "cpu" and unavailable_reason() is not None:
             line += f"; torch's path, no native kernels ({unavailable_reason()})"
         model = self.model
@@ -208,6 +215,19 @@ def median_of_alternating(steps: dict[Any, Callable[[], float]]) -> dict[Any, fl
         if round_ + 1 >= DTYPE_CLEAR_AFTER and ratio > DTYPE_CLEAR:
             break
     return medians
+
+
+def _dequantized_types(header) -> dict[str, int]:
+    """The file's matrices of quantized types the native kernels do not read (each
+    dequantized at load to the compute dtype), counted by type name."""
+    plain = {0, 1, 30}  # F32, F16, BF16: their own precision
+    return dict(
+        Counter(
+            GGML_TYPES.get(info.ggml_type, (f"type {info.ggml_type}",))[0]
+            for info in header.tensors
+            if len(info.shape) >= 2 and info.ggml_type not in KEPT_QUANTIZED | plain
+        )
+    )
 
 
 def _choose_crossover(products: ProductPolicy, model: LlamaModel, dtype: torch.dtype) -> None:
@@ -313,6 +333,8 @@ def load_model(
     loaded = LoadedModel(
         path, config, model, tokenizer, time.perf_counter() - start, native_seconds, choice
     )
+    if ops is not None:
+        loaded.dequantized = _dequantized_types(header)
     if measure:
         loaded.dtype_seconds = {str(c).removeprefix("torch."): t for c, t in times.items()}
     if progress:
