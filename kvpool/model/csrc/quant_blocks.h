@@ -36,6 +36,13 @@ enum QType : int {
 static const int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                       1,    13,   25,  38,  53,  69,  89,  113};
 
+// Unit j's scale in an IQ4_XS block (d, scales_h, scales_l[4], qs[128]), -32 .. 31: its
+// low 4 bits from scales_l, its high 2 from scales_h.
+static KVP_ALWAYS_INLINE int iq4_xs_scale(const uint8_t* b, int j) {
+  const int high = (b[2 | (j >> 2)] >> (2 * (j & 3))) & 3;  // scales_h, little-endian
+  return (((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (high << 4)) - 32;
+}
+
 // Elements and bytes of one block.
 static KVP_ALWAYS_INLINE int block_elems(int t) {
   return (t == kQ2_K || t == kQ3_K || t == kQ4_K || t == kQ5_K || t == kQ6_K || t == kIQ4_XS)
@@ -262,12 +269,10 @@ static KVP_ALWAYS_INLINE void dequantize_block(int t, const uint8_t* __restrict 
       }
       return;
     }
-    case kIQ4_XS: {  // d, scales_h (2 bits a unit), scales_l[4] (4 bits a unit), qs[128]
+    case kIQ4_XS: {  // d, scales_h, scales_l[4], qs[128]
       const float d = read_fp16(b);
-      const uint16_t high = (uint16_t)(b[2] | (b[3] << 8));
       for (int j = 0; j < 8; ++j, y += 32) {
-        const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((high >> (2 * j)) & 3) << 4);
-        const float dl = d * (float)(ls - 32);
+        const float dl = d * (float)iq4_xs_scale(b, j);
         const uint8_t* q = b + 8 + 16 * j;
         for (int i = 0; i < 16; ++i) {
           y[i] = dl * (float)kIQ4Levels[q[i] & 0xF];

@@ -124,15 +124,10 @@ static inline void pack_group_t(const uint8_t* rows, int64_t row_bytes, uint8_t*
     for (int r = 0; r < kGroup; ++r) {
       switch (t) {
         case kQ4_0: case kQ5_0: case kQ8_0: case kIQ4_NL: memcpy(o + 2 * r, src[r], 2); break;
-        case kIQ4_XS: {  // d, then each unit's scale (scales_h: 2 bits a unit, scales_l: 4)
+        case kIQ4_XS:  // d, then each unit's scale
           memcpy(o + 2 * r, src[r], 2);
-          const int high = src[r][2] | (src[r][3] << 8);
-          for (int j = 0; j < 8; ++j) {
-            const int ls = ((src[r][4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((high >> (2 * j)) & 3) << 4);
-            o[16 + 8 * j + r] = (uint8_t)(int8_t)(ls - 32);
-          }
+          for (int j = 0; j < 8; ++j) o[16 + 8 * j + r] = (uint8_t)(int8_t)iq4_xs_scale(src[r], j);
           break;
-        }
         case kQ4_1: memcpy(o + 2 * r, src[r], 2); memcpy(o + 16 + 2 * r, src[r] + 2, 2); break;
         case kQ4_K: case kQ5_K:
           memcpy(o + 2 * r, src[r], 2);
