@@ -74,6 +74,25 @@ def test_op_matches_a_plain_softmax_over_each_sequence(dtype, head_dim, block_si
     assert (got.float() - want).abs().max().item() < tolerance
 
 
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=needs_variant(v)) for v in VARIANTS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scores_far_apart_are_shifted_by_their_true_maximum(dtype, variant):
+    """Queries 30 times the usual size: scores tens apart, so the softmax holds only if
+    every score is shifted by the largest one, wherever that key sits (among the first,
+    in the vectors of 16 the maximum is taken in, in the tail after them: 37 and 100
+    keys)."""
+    gen = torch.Generator().manual_seed(11)
+    nkv, group, head_dim, block_size, blocks = 2, 4, 64, 16, 16
+    layer_kv = torch.randn(2 * nkv, blocks * block_size, head_dim, generator=gen).to(dtype)
+    lens = torch.tensor([37, 100, 3, 37])
+    tables = torch.stack([torch.randperm(blocks, generator=gen)[:7] for _ in lens])
+    q = (30 * torch.randn(len(lens), nkv * group, head_dim, generator=gen)).to(dtype)
+    got = native(q, layer_kv, tables, lens, block_size, head_dim**-0.5, variant)
+    want = _reference(q, layer_kv, tables, lens, block_size)
+    assert got.isfinite().all()
+    assert (got.float() - want).abs().max().item() < (1e-4 if dtype == torch.float32 else 2e-2)
+
+
 def test_decode_steps_equal_the_torch_path(fp32_model):
     rng = random.Random(3)
     manager = KVCacheManager(128, 16)
