@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvpool.formats.gguf_header import GGUFHeader, GGUFTensorInfo, read_gguf_header
+from kvpool.formats.gguf_header import GGML_TYPES, GGUFHeader, GGUFTensorInfo, read_gguf_header
 from kvpool.model.config import ModelConfig, UnsupportedModel
 
 # ggml type ids read without the gguf package
@@ -249,6 +249,17 @@ def load_gguf_weights(
         finish(0)
     # in the file's order (the dense ones were finished out of it)
     return config, {info.name: weights[info.name] for info in header.tensors}
+
+
+def dequantized_types(header: GGUFHeader, kept: frozenset[int]) -> dict[str, int]:
+    """The file's matrices of quantized types outside ``kept`` (each dequantized at load
+    to the compute dtype), counted by type name."""
+    names = (
+        GGML_TYPES.get(info.ggml_type, (f"type {info.ggml_type}",))[0]
+        for info in header.tensors
+        if len(info.shape) >= 2 and info.ggml_type not in kept | set(_UNQUANTIZED)
+    )
+    return dict(Counter(names))
 
 
 def _matrix_rows(info: GGUFTensorInfo) -> int:

@@ -14,7 +14,6 @@ import os
 import statistics
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +21,10 @@ from typing import Any
 
 import torch
 
-from kvpool.formats.gguf_header import GGML_TYPES, read_gguf_header
+from kvpool.formats.gguf_header import read_gguf_header
 from kvpool.model.config import ModelConfig
 from kvpool.model.cpu import cpu_features
-from kvpool.model.gguf_weights import KEPT_QUANTIZED, load_gguf_weights
+from kvpool.model.gguf_weights import KEPT_QUANTIZED, dequantized_types, load_gguf_weights
 from kvpool.model.int4_products import FOUR_BIT, Int4Linear, int4_unavailable
 from kvpool.model.llama import LlamaModel, can_prepack
 from kvpool.model.native import kernel_variant, native_ops, unavailable_reason
@@ -217,19 +216,6 @@ def median_of_alternating(steps: dict[Any, Callable[[], float]]) -> dict[Any, fl
     return medians
 
 
-def _dequantized_types(header) -> dict[str, int]:
-    """The file's matrices of quantized types the native kernels do not read (each
-    dequantized at load to the compute dtype), counted by type name."""
-    plain = {0, 1, 30}  # F32, F16, BF16: their own precision
-    return dict(
-        Counter(
-            GGML_TYPES.get(info.ggml_type, (f"type {info.ggml_type}",))[0]
-            for info in header.tensors
-            if len(info.shape) >= 2 and info.ggml_type not in KEPT_QUANTIZED | plain
-        )
-    )
-
-
 def _choose_crossover(products: ProductPolicy, model: LlamaModel, dtype: torch.dtype) -> None:
     """Where int8 products hand over to dequantized tiles (bf16 tiles where the CPU has
     bf16 products in hardware and the model computes in bf16): measured on one of the
@@ -334,7 +320,7 @@ def load_model(
         path, config, model, tokenizer, time.perf_counter() - start, native_seconds, choice
     )
     if ops is not None:
-        loaded.dequantized = _dequantized_types(header)
+        loaded.dequantized = dequantized_types(header, KEPT_QUANTIZED)
     if measure:
         loaded.dtype_seconds = {str(c).removeprefix("torch."): t for c, t in times.items()}
     if progress:
