@@ -254,10 +254,11 @@ def load_gguf_weights(
 def dequantized_types(header: GGUFHeader, kept: frozenset[int]) -> dict[str, int]:
     """The file's matrices of quantized types outside ``kept`` (each dequantized at load
     to the compute dtype), counted by type name."""
+    own = kept | set(_UNQUANTIZED)  # kept, or in their own precision
     names = (
         GGML_TYPES.get(info.ggml_type, (f"type {info.ggml_type}",))[0]
         for info in header.tensors
-        if len(info.shape) >= 2 and info.ggml_type not in kept | set(_UNQUANTIZED)
+        if len(info.shape) >= 2 and info.ggml_type not in own
     )
     return dict(Counter(names))
 
