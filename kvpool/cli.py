@@ -257,7 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     bench.add_argument("--preset", default="llama-3.2-1b", help="synth-model: the geometry")
     bench.add_argument(
-        "--mix", default="Q4_0", help="synth-model: Q4_0, Q8_0, Q4_K_M, Q5_K_M or IQ4_XS"
+        "--mix",
+        default="Q4_0",
+        help="synth-model: Q4_0, Q8_0, Q2_K, Q3_K_M, Q4_K_M, Q5_K_M or IQ4_XS",
     )
     bench.add_argument("--out", default="models", help="synth-model: the directory to write to")
     bench.add_argument("--api-key", default=None)

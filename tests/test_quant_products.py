@@ -19,7 +19,10 @@ ops = native_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="native ops not built here")
 VARIANTS = ["avx512-amx", "avx512-bf16", "avx512-vnni", "avx2", "aarch64-dotprod", "generic"]
 X86_VARIANTS = VARIANTS[:4]  # one integer form: their products agree bit for bit
-INT8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+INT8_TYPES = [
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+]  # fmt: skip
 # int8 products against the float ones, one product of random data: share of the
 # largest output (measured: 0.4-1.2%)
 INT8_PRODUCT_BOUND = 0.03
@@ -84,24 +87,6 @@ def test_int8_products_are_row_invariant_and_equal_across_variants(qtype, varian
         assert torch.equal(ops.quant_matmul(x[i : i + 1], [raw], [tid], 0, variant)[0], batch[i])
     if variant in X86_VARIANTS:
         assert torch.equal(batch, ops.quant_matmul(x, [raw], [tid], 0, X86_VARIANTS[-1]))
-
-
-@pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_mode_is_row_invariant_without_integer_kernels(qtype, dtype, variant):
-    """Q2_K and Q3_K have no integer kernels, and the int8 mode multiplies their
-    dequantized tiles in floats; it keeps the mode's promise all the same (a row's
-    result whatever the batch: what --batch-invariant rests on), here with 37 rows,
-    where a float product's GEMM would sum in another order than 1 row's."""
-    tid = TYPES[qtype][0]
-    assert not ops.quant_has_int_dot(tid, variant)
-    raw = blocks(qtype, 80, 768)
-    x = torch.randn(37, 768, generator=torch.Generator().manual_seed(2)).to(dtype)
-    batch = ops.quant_matmul(x, [raw], [tid], 0, variant, True)
-    for i in (0, 5, 16, 36):
-        alone = ops.quant_matmul(x[i : i + 1], [raw], [tid], 0, variant, True)
-        assert torch.equal(alone[0], batch[i]), i
 
 
 def test_fused_parts_of_different_formats_equal_separate_products():

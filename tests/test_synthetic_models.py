@@ -537,7 +537,42 @@ def test_synth_models_iq4_xs_mix_follows_llama_cpps_rules(tmp_path: Path):
         assert error < INT8_LOGIT_BOUND * logits.abs().max().item()
 
 
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q4_0", "Q8_0", "IQ4_XS"])
+def test_synth_models_low_bit_k_mixes_follow_llama_cpps_rules(tmp_path: Path):
+    """Q3_K_M: Q3_K, the head Q6_K, attn_output Q4_K, attn_v Q5_K in the first two layers
+    and Q4_K after, ffn_down Q5_K in the first sixteenth and Q4_K after. Q2_K: Q2_K, the
+    head Q6_K, attn_output and ffn_down Q3_K, attn_v Q4_K where four or more query heads
+    share a KV head (Q3_K where fewer). Rows that are not whole 256-blocks take Q4_0."""
+    import dataclasses
+
+    from kvpool.bench.synth_model import PRESETS, tensor_type, write
+    from kvpool.formats.gguf_header import read_gguf_header
+
+    g = PRESETS["llama-3.1-8b"]  # 32 layers, 32 heads over 8 KV heads, an untied head
+    q3 = {
+        ("output.weight", -1): "Q6_K", ("token_embd.weight", -1): "Q3_K",
+        ("blk.1.attn_v.weight", 1): "Q5_K", ("blk.2.attn_v.weight", 2): "Q4_K",
+        ("blk.1.ffn_down.weight", 1): "Q5_K", ("blk.2.ffn_down.weight", 2): "Q4_K",
+        ("blk.5.attn_output.weight", 5): "Q4_K", ("blk.5.attn_q.weight", 5): "Q3_K",
+        ("blk.5.ffn_gate.weight", 5): "Q3_K", ("blk.5.ffn_up.weight", 5): "Q3_K",
+    }  # fmt: skip
+    assert {key: tensor_type("Q3_K_M", *key, g) for key in q3} == q3
+    q2 = {
+        ("output.weight", -1): "Q6_K", ("token_embd.weight", -1): "Q2_K",
+        ("blk.0.attn_v.weight", 0): "Q4_K", ("blk.9.ffn_down.weight", 9): "Q3_K",
+        ("blk.5.attn_output.weight", 5): "Q3_K", ("blk.5.attn_k.weight", 5): "Q2_K",
+        ("blk.5.ffn_up.weight", 5): "Q2_K",
+    }  # fmt: skip
+    assert {key: tensor_type("Q2_K", *key, g) for key in q2} == q2
+    few = dataclasses.replace(g, kv_heads=16)  # two query heads a KV head
+    assert tensor_type("Q2_K", "blk.0.attn_v.weight", 0, few) == "Q3_K"
+    tiny = dataclasses.replace(PRESETS["smollm2-135m"], layers=2, ffn=512, vocab=2048)
+    path = write(tiny, "Q2_K", tmp_path / "tiny.gguf", progress=False)
+    types = {t.name: t.ggml_type for t in read_gguf_header(path).tensors}
+    assert types["blk.0.attn_q.weight"] == 2  # Q4_0 (576 columns)
+    assert types["blk.0.ffn_down.weight"] == 11  # Q3_K (512 columns)
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q3_K_M", "Q2_K", "Q4_0", "Q8_0", "IQ4_XS"])
 @pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-30b-a3b"])
 def test_synth_model_writes_a_qwen3_file_the_runtime_loads(tmp_path: Path, mix: str, preset):
     """A qwen3 geometry shrunk to test size, written by ``kvpool bench synth-model``'s
@@ -546,7 +581,8 @@ def test_synth_model_writes_a_qwen3_file_the_runtime_loads(tmp_path: Path, mix: 
     geometry back and computes finite, moving logits from it."""
     import dataclasses
 
-    from kvpool.bench.synth_model import PRESETS, write
+    from kvpool.bench.random_blocks import TYPES
+    from kvpool.bench.synth_model import PRESETS, tensor_type, write
     from kvpool.formats.gguf_header import read_gguf_header
 
     tiny = dataclasses.replace(
@@ -558,12 +594,13 @@ def test_synth_model_writes_a_qwen3_file_the_runtime_loads(tmp_path: Path, mix: 
     infos = {t.name: t for t in read_gguf_header(path).tensors}
     types = {name: t.ggml_type for name, t in infos.items()}
     assert len(set(types.values())) >= (3 if mix.endswith("_K_M") else 2)  # F32 norms too
-    base = {"Q4_K_M": 12, "Q5_K_M": 13, "Q4_0": 2, "Q8_0": 8, "IQ4_XS": 23}[mix]  # Q4_K, Q5_K
-    assert types["blk.0.attn_q.weight"] == base
-    if tiny.experts:
+    base = {"Q4_K_M": 12, "Q5_K_M": 13, "Q3_K_M": 11, "Q2_K": 10, "Q4_0": 2, "Q8_0": 8}
+    assert types["blk.0.attn_q.weight"] == base.get(mix, 23)  # (IQ4_XS: 23)
+    if tiny.experts:  # each stack the type of the matrix it stands for
         assert tuple(infos["blk.0.ffn_down_exps.weight"].shape) == (256, 256, 8)  # ggml order
         assert types["blk.0.ffn_gate_inp.weight"] == 0  # F32
-        assert types["blk.0.ffn_down_exps.weight"] == types["blk.0.attn_v.weight"]
+        down = tensor_type(mix, "blk.0.ffn_down.weight", 0, tiny)
+        assert types["blk.0.ffn_down_exps.weight"] == TYPES[down][0]
     config, weights = load_gguf_weights(path, quantized=_native() is not None)
     assert (config.architecture, config.head_dim, config.q_size) == (tiny.arch, 128, 512)
     assert config.qk_norm and config.context_length == 40960

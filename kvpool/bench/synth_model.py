@@ -8,7 +8,11 @@ lengths included; each preset's parameter count is the published one: tested); m
 llama.cpp's quantize rules: ``Q4_0`` and ``Q8_0`` quantize every matrix alike (Q4_0's output
 head is Q6_K, as llama.cpp makes it), ``Q4_K_M`` uses Q4_K with Q6_K for the output head and
 for ``attn_v`` / ``ffn_down`` in the layers llama.cpp gives more bits (the first and last
-eighth, and every third in between); ``Q5_K_M`` the same with Q5_K; ``IQ4_XS`` (without an
+eighth, and every third in between); ``Q5_K_M`` the same with Q5_K; ``Q3_K_M`` uses Q3_K with
+Q6_K for the head, Q4_K for ``attn_output``, ``attn_v`` and ``ffn_down`` (Q5_K in the first two
+layers' ``attn_v`` and the first sixteenth's ``ffn_down``); ``Q2_K`` uses Q2_K with Q6_K for the
+head, Q3_K for ``attn_output`` and ``ffn_down`` and for ``attn_v`` (Q4_K where four or more
+query heads share a KV head); ``IQ4_XS`` (without an
 importance matrix) uses IQ4_XS with Q6_K for the head, Q5_K for ``attn_v`` where four or more
 query heads share a KV head and for the first eighth's ``ffn_down``. A tied embedding is the
 head, so it gets the head's type. The vocabulary is a SentencePiece one of the real size
@@ -83,11 +87,26 @@ PRESETS = {
     "gemma3-1b": Geometry("gemma3", 1152, 26, 4, 1, 6912, 262144, True, **_G3_1B),
     "gemma3-4b": Geometry("gemma3", 2560, 34, 8, 4, 10240, 262208, True, rope_linear=8.0, **_G3),
 }
-MIXES = ("Q4_0", "Q8_0", "Q4_K_M", "Q5_K_M", "IQ4_XS")
+MIXES = ("Q4_0", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "IQ4_XS")
 # llama.cpp's, for rows that are not whole 256-blocks
-FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
+FALLBACK = {
+    "Q2_K": "Q4_0",
+    "Q3_K": "Q4_0",
+    "Q4_K": "Q5_0",
+    "Q5_K": "Q5_1",
+    "Q6_K": "Q8_0",
+    "IQ4_XS": "IQ4_NL",
+}
 # llama.cpp's general.file_type
-FILE_TYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "IQ4_XS": 30}
+FILE_TYPES = {
+    "Q4_0": 2,
+    "Q8_0": 7,
+    "Q2_K": 10,
+    "Q3_K_M": 12,
+    "Q4_K_M": 15,
+    "Q5_K_M": 17,
+    "IQ4_XS": 30,
+}
 WEIGHT_SCALE = 0.06  # spread of the random weights (keeps activations finite and moving)
 
 
@@ -110,6 +129,25 @@ def tensor_type(mix: str, name: str, layer: int, geometry: Geometry) -> str:
             name.endswith("ffn_down.weight") and layer < geometry.layers // 8
         )
         qtype = "Q6_K" if head else "Q5_K" if more else "IQ4_XS"
+    elif mix == "Q3_K_M":  # attn_v: Q5_K in the first two layers; ffn_down: the first 16th
+        if head:
+            qtype = "Q6_K"
+        elif name.endswith("attn_v.weight"):
+            qtype = "Q5_K" if layer < 2 else "Q4_K"
+        elif name.endswith("ffn_down.weight"):
+            qtype = "Q5_K" if layer < geometry.layers // 16 else "Q4_K"
+        else:
+            qtype = "Q4_K" if name.endswith("attn_output.weight") else "Q3_K"
+    elif mix == "Q2_K":
+        grouped = geometry.heads // geometry.kv_heads >= 4
+        if head:
+            qtype = "Q6_K"
+        elif name.endswith("attn_v.weight"):
+            qtype = "Q4_K" if grouped else "Q3_K"
+        elif name.endswith(("ffn_down.weight", "attn_output.weight")):
+            qtype = "Q3_K"
+        else:
+            qtype = "Q2_K"
     else:  # Q4_K_M, Q5_K_M
         more = name.endswith(("attn_v.weight", "ffn_down.weight"))
         base = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}[mix]

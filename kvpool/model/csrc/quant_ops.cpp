@@ -401,8 +401,8 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
       }
       if (gemm_tiles && mode != 0) {
         // (not in int8 mode: it promises each row's result whatever the batch, and a part
-        // without integer kernels (Q2_K, Q3_K) keeps that promise with float_dot, whose
-        // order of sums is the same at every M; at::mm's is not)
+        // without integer kernels (none of the types kept today) would keep that promise
+        // with float_dot, whose order of sums is the same at every M; at::mm's is not)
         const kvp::OneThreadForLibraries one_thread;
         auto yt = at::from_blob(out, {m, task.rows}, {ldo, 1}, at::kFloat);
         if (bf16_tiles) {
