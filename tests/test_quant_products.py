@@ -89,6 +89,40 @@ def test_int8_products_are_row_invariant_and_equal_across_variants(qtype, varian
         assert torch.equal(batch, ops.quant_matmul(x, [raw], [tid], 0, X86_VARIANTS[-1]))
 
 
+@pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
+def test_parts_in_the_files_layout_take_their_own_kind_of_product(variant):
+    """mode's bits 2-3 (one more than a kind) give the parts kept in the file's layout
+    (Q3_K) their own kind of product beside the packed parts' (Q4_K, Q6_K, where the
+    variant packs them): each part's outputs as that part alone in its kind."""
+    specs = [("Q4_K", 64, True), ("Q3_K", 40, False), ("Q6_K", 16, True)]
+    raws, tids = mixed_parts(specs, 512, 5, variant)
+    x = torch.randn(20, 512, generator=torch.Generator().manual_seed(3))
+    for packed_kind, file_kind in ((0, 1), (1, 0), (0, 2), (2, 0), (0, 0)):
+        mixed = ops.quant_matmul(x, raws, tids, packed_kind | (1 + file_kind) << 2, variant)
+        alone = [
+            ops.quant_matmul(x, [raw], [tid], packed_kind if tid & PACKED else file_kind, variant)
+            for raw, tid in zip(raws, tids, strict=True)
+        ]
+        assert torch.equal(mixed, torch.cat(alone, 1)), (packed_kind, file_kind)
+    for bad in (3, 16, 3 | 1 << 2, (1 + 3) << 2):
+        with pytest.raises(RuntimeError, match="mode"):
+            ops.quant_matmul(x, raws, tids, bad, variant)
+
+
+def test_a_policy_with_a_crossover_for_the_files_layout_encodes_both_kinds():
+    from kvpool.model.products import BF16_TILES, FLOAT, INT8, ProductPolicy
+
+    both = ProductPolicy(int8_max_rows=128, tiles=BF16_TILES)
+    assert [both.mode(rows) for rows in (1, 32, 200)] == [INT8, INT8, BF16_TILES]
+    both.file_crossover, both.file_int8_max_rows = True, 8
+    assert both.mode(8) == INT8 | (1 + INT8) << 2
+    assert both.mode(32) == INT8 | (1 + BF16_TILES) << 2
+    assert both.mode(200) == BF16_TILES | (1 + BF16_TILES) << 2
+    assert "in the file's layout: int8 products up to 8 rows, bf16 tiles above" in both.describe()
+    both.exact = True
+    assert both.mode(32) == FLOAT
+
+
 def test_fused_parts_of_different_formats_equal_separate_products():
     parts = [("Q4_K", 40), ("Q6_K", 8), ("Q8_0", 16)]
     raws = [blocks(q, n, 512, seed=i) for i, (q, n) in enumerate(parts)]

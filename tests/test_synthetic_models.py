@@ -537,6 +537,36 @@ def test_synth_models_iq4_xs_mix_follows_llama_cpps_rules(tmp_path: Path):
         assert error < INT8_LOGIT_BOUND * logits.abs().max().item()
 
 
+def test_a_model_in_both_layouts_measures_a_crossover_for_each(tmp_path: Path, monkeypatch):
+    """Q3_K beside Q4_K (a Q3_K_M file's mix): where the kernels pack Q4_K and keep
+    Q3_K in the file's layout, the load measures a crossover for each layout (Q3_K's
+    int8 products of many rows are several times slower than the packed formats');
+    one layout alone, one crossover. Each calibration measures that layout's part."""
+    if _native() is None:
+        pytest.skip("the native kernels did not build")
+    from kvpool.model import loader
+    from kvpool.model.native import kernel_variant
+
+    if not _native().quant_packs(12, kernel_variant()):  # Q4_K
+        pytest.skip(f"the {kernel_variant()} kernels keep every format in the file's layout")
+    measured = []
+
+    def calibrate(linear, tiles):
+        measured.append(sorted({t & 0xFF for t in linear.types}))
+        return 8 if (linear.types[0] & 0xFF) == 11 else 64  # Q3_K: 8 rows
+
+    monkeypatch.setattr(loader, "calibrate", calibrate)
+    monkeypatch.delenv("KVPOOL_INT8_MAX_ROWS", raising=False)
+    mix = {**MIXES["k-quants"], "attn_q.weight": "Q3_K", "ffn_up.weight": "Q3_K"}
+    path = write_model(tmp_path / "both.gguf", "llama", mix)
+    policy = loader.load_model(str(path), progress=False).model.products
+    assert measured == [[12], [11]]  # o's Q4_K, then q's Q3_K
+    assert (policy.int8_max_rows, policy.file_crossover, policy.file_int8_max_rows) == (64, True, 8)
+    measured.clear()
+    one = loader.load_model(str(write_model(tmp_path / "one.gguf", "llama", MIXES["k-quants"])))
+    assert measured == [[12]] and not one.model.products.file_crossover
+
+
 def test_synth_models_low_bit_k_mixes_follow_llama_cpps_rules(tmp_path: Path):
     """Q3_K_M: Q3_K, the head Q6_K, attn_output Q4_K, attn_v Q5_K in the first two layers
     and Q4_K after, ffn_down Q5_K in the first sixteenth and Q4_K after. Q2_K: Q2_K, the

@@ -28,7 +28,14 @@ from kvpool.model.gguf_weights import KEPT_QUANTIZED, dequantized_types, load_gg
 from kvpool.model.int4_products import FOUR_BIT, Int4Linear, int4_unavailable
 from kvpool.model.llama import LlamaModel, can_prepack
 from kvpool.model.native import kernel_variant, native_ops, unavailable_reason
-from kvpool.model.products import BF16_TILES, FLOAT, ProductPolicy, QuantLinear, calibrate
+from kvpool.model.products import (
+    BF16_TILES,
+    FLOAT,
+    ProductPolicy,
+    QuantLinear,
+    calibrate,
+    probe,
+)
 from kvpool.model.runner import ModelRunner
 from kvpool.model.tokenizer import Tokenizer
 from kvpool.model_store import resolve_model_path
@@ -220,13 +227,26 @@ def _choose_crossover(products: ProductPolicy, model: LlamaModel, dtype: torch.d
     """Where int8 products hand over to dequantized tiles (bf16 tiles where the CPU has
     bf16 products in hardware and the model computes in bf16): measured on one of the
     model's own products at load, unless ``KVPOOL_INT8_MAX_ROWS`` sets it ("all": int8
-    at every size)."""
+    at every size). A model with matrices in both the packed layout and the file's (a
+    Q3_K_M file: Q3_K beside Q4_K, Q5_K and Q6_K) gets a crossover for each, measured
+    on the first layer's first matrix of each layout; others one, measured on ``o``."""
     products.tiles = BF16_TILES if dtype == torch.bfloat16 and can_prepack() else FLOAT
     forced = os.environ.get("KVPOOL_INT8_MAX_ROWS")
     if forced is not None:
         products.int8_max_rows = None if forced == "all" else int(forced)
         return
-    products.int8_max_rows = calibrate(model.layers[0].o, products.tiles)
+    layer = model.layers[0]
+    linears = [
+        x for x in (layer.o, layer.qkv, layer.gate_up, layer.down) if isinstance(x, QuantLinear)
+    ]
+    packed = next((p for x in linears if (p := probe(x, packed=True)) is not None), None)
+    file = next((p for x in linears if (p := probe(x, packed=False)) is not None), None)
+    if packed is None or file is None:
+        products.int8_max_rows = calibrate(layer.o, products.tiles)
+        return
+    products.int8_max_rows = calibrate(packed, products.tiles)
+    products.file_int8_max_rows = calibrate(file, products.tiles)
+    products.file_crossover = True
 
 
 def load_model(

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.model.gguf_weights import QuantizedMatrix
+from kvpool.model.gguf_weights import PACKED, QuantizedMatrix
 from kvpool.model.native import native_ops
 
 INT8, FLOAT, BF16_TILES = 0, 1, 2  # quant_matmul's modes
@@ -38,20 +38,35 @@ class ProductPolicy:
     """Which product a step of ``rows`` rows takes. ``exact``: float products always
     (the float32 reference). Otherwise ``int8`` up to ``int8_max_rows`` rows (None: at
     every size, which also makes every product batch-invariant), and ``tiles`` above:
-    ``FLOAT``, or ``BF16_TILES`` where the CPU has bf16 products in hardware."""
+    ``FLOAT``, or ``BF16_TILES`` where the CPU has bf16 products in hardware.
+
+    ``file_int8_max_rows``, where ``file_crossover``: the crossover of the matrices kept
+    in the file's layout (the kernels' row form: Q2_K and Q3_K on x86, whose int8
+    products of many rows are several times slower than the packed formats'), measured
+    apart where a model has both kinds; without it, the one crossover holds for all."""
 
     exact: bool = False
     int8_max_rows: int | None = None
     tiles: int = FLOAT
     variant: str = ""  # the kernels' instruction set ("": the fastest this CPU runs)
     fixed: bool = False  # batch-invariant: int8 at every size, never recalibrated
+    file_crossover: bool = False
+    file_int8_max_rows: int | None = None
 
-    def mode(self, rows: int) -> int:
-        if self.exact:
-            return FLOAT
-        if self.int8_max_rows is None or rows <= self.int8_max_rows:
+    def _kind(self, rows: int, crossover: int | None) -> int:
+        if crossover is None or rows <= crossover:
             return INT8
         return self.tiles
+
+    def mode(self, rows: int) -> int:
+        """quant_matmul's mode: the kind of product (``INT8``, ``FLOAT``, ``BF16_TILES``),
+        plus 4 x (1 + the kind for the file's layout) where that has its own crossover."""
+        if self.exact:
+            return FLOAT
+        mode = self._kind(rows, self.int8_max_rows)
+        if self.file_crossover:
+            mode |= (1 + self._kind(rows, self.file_int8_max_rows)) << 2
+        return mode
 
     def describe(self) -> str:
         ops = native_ops()
@@ -64,14 +79,22 @@ class ProductPolicy:
                 f"float products from dequantized tiles, the exact reference ({kernels}; "
                 "without --dtype, int8 products: several times faster)"
             )
-        if self.int8_max_rows is None:
-            why = ", batch-invariant" if self.fixed else ""
-            return f"int8 products at every step size{why} ({kernels})"
         tiles = "bf16" if self.tiles == BF16_TILES else "float32"
-        if self.int8_max_rows == 0:
-            return f"{tiles} tiles at every step size ({kernels})"
-        rows = f"{self.int8_max_rows} row{'s' if self.int8_max_rows > 1 else ''}"
-        return f"int8 products up to {rows}, {tiles} tiles above ({kernels})"
+
+        def kinds(crossover: int | None) -> str:
+            if crossover is None:
+                return "int8 products at every step size"
+            if crossover == 0:
+                return f"{tiles} tiles at every step size"
+            rows = f"{crossover} row{'s' if crossover > 1 else ''}"
+            return f"int8 products up to {rows}, {tiles} tiles above"
+
+        what = kinds(self.int8_max_rows)
+        if self.int8_max_rows is None and self.fixed:
+            what += ", batch-invariant"
+        if self.file_crossover:
+            what += f"; matrices in the file's layout: {kinds(self.file_int8_max_rows)}"
+        return f"{what} ({kernels})"
 
 
 class QuantLinear:
@@ -119,6 +142,22 @@ class QuantLinear:
     @property
     def nbytes(self) -> int:
         return sum(raw.numel() for raw in self.raws)
+
+
+PROBE_ROWS = 2048  # rows of a crossover's probe (probe): a 1B-class model's o's
+
+
+def probe(linear: QuantLinear, packed: bool, rows: int = PROBE_ROWS) -> QuantLinear | None:
+    """A product of ``linear``'s first part in the packed layout (``packed``) or in the
+    file's, cut to its first ``rows`` rows (views of the same bytes): what that layout's
+    crossover is measured on. None where ``linear`` has no such part."""
+    for raw, native_type in zip(linear.raws, linear.types, strict=True):
+        if bool(native_type & PACKED) != packed:
+            continue
+        groups = rows // 8 if packed else rows  # a packed raw's rows are groups of 8
+        part = QuantizedMatrix(raw[:groups], native_type & ~PACKED, linear.cols, packed)
+        return QuantLinear([part], None, linear.policy)
+    return None
 
 
 def calibrate(

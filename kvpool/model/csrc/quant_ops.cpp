@@ -261,7 +261,14 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   TORCH_CHECK(x_in.dim() == 2, "x: [rows, K]");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
               "x: float32 or bfloat16");
-  TORCH_CHECK(mode >= 0 && mode <= 2, "mode: 0 (integer), 1 (float) or 2 (bf16 tiles)");
+  // mode: bits 0-1 the product's kind (0 integer, 1 float, 2 bf16 tiles); bits 2-3, where
+  // set, one more than the kind of the parts in the file's layout (those the kernels
+  // multiply unpacked, whose crossover to tiles comes earlier: ProductPolicy)
+  const int64_t packed_mode = mode & 3;
+  const int64_t file_mode = (mode >> 2) ? (mode >> 2) - 1 : packed_mode;
+  TORCH_CHECK(mode >= 0 && mode < 16 && packed_mode <= 2 && file_mode <= 2,
+              "mode: 0 (integer), 1 (float) or 2 (bf16 tiles), plus 4 x (1 + the kind for "
+              "the file's layout) where it differs");
   const int64_t m = x_in.size(0), k = x_in.size(1);
   const auto parts = check_parts(parts_in, types, k);
   const int64_t n_total = parts.back().offset + parts.back().rows;
@@ -280,20 +287,23 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   // it and multiply each tile on its one thread: from kvp's own pool's workers (a build
   // without OpenMP) every call would start a team of its own.
   const bool gemm_tiles = m >= kGemmRows && at::hasMKL() && kvp::kOpenMP;
-  const bool bf16_tiles = mode == 2 && gemm_tiles;
-  const auto x16 = bf16_tiles ? x_in.to(at::kBFloat16).contiguous() : at::Tensor();
-  auto y = at::empty({m, n_total}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
-  if (m == 0) return y;
+  auto mode_of = [&](const Part& p) { return p.packed ? packed_mode : file_mode; };
   auto integer_for = [&](const Part& p) {
-    return mode == 0 && (p.packed ? t->has_packed_dot(p.type) : t->has_int_dot(p.type));
+    return mode_of(p) == 0 && (p.packed ? t->has_packed_dot(p.type) : t->has_int_dot(p.type));
   };
-  bool any_int = false, any_float = false, offsets = false;  // offsets: off4 / off6
+  auto bf16_tiles_for = [&](const Part& p) { return mode_of(p) == 2 && gemm_tiles; };
+  // any_float: a part's float tiles multiply float32 activations (any_bf16: bf16 ones)
+  bool any_int = false, any_float = false, any_bf16 = false, offsets = false;  // off4 / off6
   for (const auto& p : parts) {
     const bool integer = integer_for(p);
     any_int |= integer;
-    any_float |= !integer;
+    any_float |= !integer && !bf16_tiles_for(p);
+    any_bf16 |= !integer && bf16_tiles_for(p);
     offsets |= integer && p.packed && t->sums_from_offsets(p.type);
   }
+  const auto x16 = any_bf16 ? x_in.to(at::kBFloat16).contiguous() : at::Tensor();
+  auto y = at::empty({m, n_total}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  if (m == 0) return y;
   // The activations in float32: x itself, or its bf16 values widened into scratch where
   // a float product reads them (an integer product's quantizing widens a few rows at a
   // time, and bf16 tiles read x16: a prefill step's [M, K] float32 copy, 16 MiB for 512
@@ -304,7 +314,7 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   if (bf16_in) {
     x16_keep = x_in.contiguous();
     x16p = x16_keep.data_ptr<at::BFloat16>();
-    if (any_float && !bf16_tiles) {
+    if (any_float) {
       float* dst = buffer_for(x_scratch, x_keep, m * k, at::kFloat);
       convert(x16p, dst, m * k);
       xp = dst;
@@ -358,9 +368,9 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   std::vector<Task> float_tasks, int_tasks;
   for (size_t i = 0; i < parts.size(); ++i) {
     const bool integer = integer_for(parts[i]);
-    const int64_t tile = integer                  ? kIntTile
-                         : gemm_tiles && mode != 0 ? gemm_tile_rows(parts[i].rows)
-                                                   : kFloatTile;
+    const int64_t tile = integer                              ? kIntTile
+                         : gemm_tiles && mode_of(parts[i]) != 0 ? gemm_tile_rows(parts[i].rows)
+                                                                : kFloatTile;
     for (int64_t r = 0; r < parts[i].rows; r += tile)
       (integer ? int_tasks : float_tasks)
           .push_back({static_cast<int>(i), r, std::min(tile, parts[i].rows - r)});
@@ -392,6 +402,7 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
       const Part& p = parts[task.part];
       const int64_t col = p.offset + task.row;
       const auto [out, ldo] = target(tile, 0, col, m, task.rows);
+      const bool bf16_tiles = bf16_tiles_for(p);
       if (bf16_tiles) {  // the weights dequantized straight to bf16 (mode 2)
         buffer16.resize(task.rows * k);
         dequantize_part(t, p, task.row, task.rows, k, buffer16.data());
@@ -399,7 +410,7 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
         buffer.resize(task.rows * k);
         dequantize_part(t, p, task.row, task.rows, k, buffer.data());
       }
-      if (gemm_tiles && mode != 0) {
+      if (gemm_tiles && mode_of(p) != 0) {
         // (not in int8 mode: it promises each row's result whatever the batch, and a part
         // without integer kernels (none of the types kept today) would keep that promise
         // with float_dot, whose order of sums is the same at every M; at::mm's is not)
