@@ -12,7 +12,8 @@ namespace kvp {
 
 // Activations quantized for the integer products: each row's blocks of 32 values as
 // int8 (q = round(x / d)), their scales d, d * sum(q) (for the weight formats with an
-// offset or a minimum) and d * sum(q) of each 16 values (Q6_K's offset, per scale).
+// offset or a minimum) and d * sum(q) of each 16 values (Q6_K's offset and Q2_K's minimums,
+// per scale).
 // off4 and off6: the offsets of Q4_0 (8) and Q6_K (32) in the integers, for the packed
 // kernels that start their integer sums there (QuantKernels::sums_from_offsets): -8 times
 // a block's q summed, and -32 times each 16 values' q summed, in the layout of the
