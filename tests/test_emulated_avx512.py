@@ -39,7 +39,7 @@ KERNEL_TESTS = [
     "tests/test_native_ops.py",
     "tests/test_sliding_window.py",
 ]
-AT_LEAST = 240
+AT_LEAST = 460  # 468 at the forty-second session (AMX's cases left out: none emulated)
 # Whole-model tests, each on the kernels the runtime chooses (~100 s emulated, 2 cores).
 MODEL_TESTS = [
     "tests/test_model_reference.py::test_logits_match_reference",
@@ -87,7 +87,9 @@ def _pytest(args: list[str]) -> list[str]:
 
 
 def test_the_avx512_kernels_pass_their_tests_under_emulation():
-    rc, summary, tail = _emulated(_pytest(["-k", "avx512", *KERNEL_TESTS]))
+    """Every AVX-512 case but AMX's: SIMDe has no tiles, so the emulation build has no
+    avx512-amx variant (its cases would skip there; they run natively on AMX CPUs)."""
+    rc, summary, tail = _emulated(_pytest(["-k", "avx512 and not amx", *KERNEL_TESTS]))
     assert rc == 0, f"the emulated AVX-512 kernels failed their tests:\n{tail}"
     passed = re.search(r"(\d+) passed", summary)
     assert passed and int(passed.group(1)) >= AT_LEAST, f"too few ran:\n{tail}"
