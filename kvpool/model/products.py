@@ -22,6 +22,7 @@ integer kernels' unpacking costs more than the tile's dequantization), so the po
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -156,7 +157,10 @@ def probe(linear: QuantLinear, packed: bool, rows: int = PROBE_ROWS) -> QuantLin
             continue
         groups = rows // 8 if packed else rows  # a packed raw's rows are groups of 8
         part = QuantizedMatrix(raw[:groups], native_type & ~PACKED, linear.cols, packed)
-        return QuantLinear([part], None, linear.policy)
+        # (an exact policy's product never packs: a file-layout part kept so for its odd
+        # number of rows would otherwise be packed once cut, and measured as packed; only
+        # the variant is read from the policy when measuring)
+        return QuantLinear([part], None, dataclasses.replace(linear.policy, exact=True))
     return None
 
 
