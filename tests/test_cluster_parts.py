@@ -261,14 +261,14 @@ class _ServeWithBusyPorts:
     """Ray Serve's ``start``/``shutdown`` where the first ``taken`` binds fail as the
     proxy's do (a ``RayTaskError`` whose text carries the proxy's ``RuntimeError``)."""
 
-    def __init__(self, taken: int, error: Exception | None = None) -> None:
-        self.taken, self.error = taken, error
+    def __init__(self, taken: int, error: Exception | None = None, errors: int = 99) -> None:
+        self.taken, self.error, self.errors = taken, error, errors
         self.tried: list[int] = []
         self.shutdowns = 0
 
     def start(self, http_options: dict) -> None:
         self.tried.append(http_options["port"])
-        if self.error is not None:
+        if self.error is not None and len(self.tried) <= self.errors:
             raise self.error
         if len(self.tried) <= self.taken:
             raise RuntimeError(
@@ -302,6 +302,32 @@ def test_a_port_asked_for_by_number_is_tried_once_and_other_errors_stay_errors()
     with pytest.raises(ValueError):
         start_proxy(broken, "127.0.0.1", 0)
     assert broken.shutdowns == 0 and len(broken.tried) == 1
+
+
+class ActorDiedError(Exception):
+    """Named as Ray's (ray.exceptions.ActorDiedError), whose text this carries."""
+
+
+def test_a_proxy_killed_before_it_ran_is_started_again():
+    """Serve's controller kills a proxy that was not ready within its check (a loaded
+    machine) while ``serve.start`` waits on it: the start is tried again (the port asked
+    for, or another free one), and the error stays an error once every try is spent."""
+    died = ActorDiedError("The actor died unexpectedly before finishing this task.\n"
+                          "\tclass_name: ProxyActor\n The actor never ran")  # fmt: skip
+    flaky = _ServeWithBusyPorts(taken=0, error=died, errors=2)
+    assert start_proxy(flaky, "127.0.0.1", 8123) == 8123
+    assert flaky.tried == [8123] * 3 and flaky.shutdowns == 2
+    any_port = _ServeWithBusyPorts(taken=0, error=died, errors=1)
+    assert start_proxy(any_port, "127.0.0.1", 0) == any_port.tried[-1]
+    assert len(any_port.tried) == 2
+    dead = _ServeWithBusyPorts(taken=0, error=died)
+    with pytest.raises(ActorDiedError):
+        start_proxy(dead, "127.0.0.1", 0, tries=3)
+    assert len(dead.tried) == 3 and dead.shutdowns == 3
+    other_actor = _ServeWithBusyPorts(taken=0, error=ActorDiedError("class_name: Replica"))
+    with pytest.raises(ActorDiedError):
+        start_proxy(other_actor, "127.0.0.1", 0)
+    assert len(other_actor.tried) == 1
 
 
 # A chat completion with one call and its result: the Responses and Messages requests

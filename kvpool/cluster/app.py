@@ -211,20 +211,36 @@ def unclaimed_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
+def proxy_gave_out(exc: BaseException) -> bool:
+    """Serve's proxy actor killed before it ran: its controller gives a starting proxy a
+    few seconds to answer that it is ready (``RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S``, 5 s),
+    then kills it and starts another, while ``serve.start`` waits on the first and raises
+    (seen on a fresh 2-core machine under load: the cluster never started)."""
+    return type(exc).__name__ == "ActorDiedError" and "ProxyActor" in str(exc)
+
+
 def start_proxy(serve: Any, host: str, port: int, tries: int = 5) -> int:
     """Start Serve's HTTP proxy on ``host:port`` and return the port. ``port`` 0: a free
     port chosen now, after Ray's processes have started, and another one if something took
-    it before the proxy bound it (``tries`` in all). Raises ``PortInUse`` where the port
-    asked for, or every port tried, was taken."""
-    for _ in range(tries if port == 0 else 1):
+    it before the proxy bound it (``tries`` in all). A proxy killed before it ran
+    (``proxy_gave_out``) is started again, on any port, up to ``tries`` times. Raises
+    ``PortInUse`` where the port asked for, or every port tried, was taken."""
+    for attempt in range(tries):
         chosen = port or unclaimed_port(host)
         try:
             serve.start(http_options={"host": host, "port": chosen})
         except Exception as exc:  # Ray wraps the proxy's error in its own task error
-            if "Failed to bind" not in str(exc):
+            gave_out = proxy_gave_out(exc)
+            if not gave_out and "Failed to bind" not in str(exc):
                 raise
             serve.shutdown()
-            continue
+            if gave_out and attempt + 1 < tries:
+                continue
+            if gave_out:
+                raise
+            if port == 0:
+                continue
+            break
         return chosen
     raise PortInUse(f"cannot listen on {host}:{port or 'any port'}: the address is in use")
 
@@ -250,6 +266,10 @@ def run(args: argparse.Namespace) -> int:
     if args.address:
         ray.init(address=args.address, namespace=LOG_NAMESPACE, log_to_driver=not args.quiet)
     else:
+        # The Ray instance started here (its processes take this environment): Serve's
+        # controller gives its proxy 5 s to start by default, less than a loaded 2-core
+        # machine may take (proxy_gave_out); 30 s unless set.
+        os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
         cpus = max(os.cpu_count() or 1, args.replicas * threads)
         ray.init(num_cpus=cpus, include_dashboard=False, namespace=LOG_NAMESPACE,
                  log_to_driver=not args.quiet)  # fmt: skip
