@@ -538,9 +538,9 @@ def test_synth_models_iq4_xs_mix_follows_llama_cpps_rules(tmp_path: Path):
 
 
 def test_a_model_in_both_layouts_measures_a_crossover_for_each(tmp_path: Path, monkeypatch):
-    """Q3_K beside Q4_K (a Q3_K_M file's mix): where the kernels pack Q4_K and keep
-    Q3_K in the file's layout, the load measures a crossover for each layout (Q3_K's
-    int8 products of many rows are several times slower than the packed formats');
+    """Q5_1 beside Q4_K: where the kernels pack Q4_K and keep Q5_1 in the file's layout
+    (it has no packed layout), the load measures a crossover for each layout (the row
+    kernels' int8 products of many rows are several times slower than the packed ones');
     one layout alone, one crossover. Each calibration measures that layout's part."""
     if _native() is None:
         pytest.skip("the native kernels did not build")
@@ -553,14 +553,14 @@ def test_a_model_in_both_layouts_measures_a_crossover_for_each(tmp_path: Path, m
 
     def calibrate(linear, tiles):
         measured.append(sorted({t & 0xFF for t in linear.types}))
-        return 8 if (linear.types[0] & 0xFF) == 11 else 64  # Q3_K: 8 rows
+        return 8 if (linear.types[0] & 0xFF) == 7 else 64  # Q5_1: 8 rows
 
     monkeypatch.setattr(loader, "calibrate", calibrate)
     monkeypatch.delenv("KVPOOL_INT8_MAX_ROWS", raising=False)
-    mix = {**MIXES["k-quants"], "attn_q.weight": "Q3_K", "ffn_up.weight": "Q3_K"}
+    mix = {**MIXES["k-quants"], "attn_q.weight": "Q5_1", "ffn_up.weight": "Q5_1"}
     path = write_model(tmp_path / "both.gguf", "llama", mix)
     policy = loader.load_model(str(path), progress=False).model.products
-    assert measured == [[12], [11]]  # o's Q4_K, then q's Q3_K
+    assert measured == [[12], [7]]  # o's Q4_K, then q's Q5_1
     assert (policy.int8_max_rows, policy.file_crossover, policy.file_int8_max_rows) == (64, True, 8)
     measured.clear()
     one = loader.load_model(str(write_model(tmp_path / "one.gguf", "llama", MIXES["k-quants"])))

@@ -227,8 +227,8 @@ def _choose_crossover(products: ProductPolicy, model: LlamaModel, dtype: torch.d
     """Where int8 products hand over to dequantized tiles (bf16 tiles where the CPU has
     bf16 products in hardware and the model computes in bf16): measured on one of the
     model's own products at load, unless ``KVPOOL_INT8_MAX_ROWS`` sets it ("all": int8
-    at every size). A model with matrices in both the packed layout and the file's (a
-    Q3_K_M file: Q3_K beside Q4_K, Q5_K and Q6_K) gets a crossover for each, measured
+    at every size). A model with matrices in both the packed layout and the file's (Q5_1,
+    which has no packed layout, beside packed formats) gets a crossover for each, measured
     on the first layer's first matrix of each layout; others one, measured on ``o``."""
     products.tiles = BF16_TILES if dtype == torch.bfloat16 and can_prepack() else FLOAT
     forced = os.environ.get("KVPOOL_INT8_MAX_ROWS")

@@ -42,9 +42,10 @@ class ProductPolicy:
     ``FLOAT``, or ``BF16_TILES`` where the CPU has bf16 products in hardware.
 
     ``file_int8_max_rows``, where ``file_crossover``: the crossover of the matrices kept
-    in the file's layout (the kernels' row form: Q2_K and Q3_K on x86, whose int8
-    products of many rows are several times slower than the packed formats'), measured
-    apart where a model has both kinds; without it, the one crossover holds for all."""
+    in the file's layout (the kernels' row form: Q5_1 on x86, which has no packed layout;
+    its int8 products of many rows are several times slower than the packed formats'),
+    measured apart where a model has both kinds; without it, the one crossover holds for
+    all."""
 
     exact: bool = False
     int8_max_rows: int | None = None

@@ -18,6 +18,11 @@
 //                  size)
 //   Q5_K (1440 B): Q4_K's header | 8 units x (nibbles[128] | fifth bits[32])
 //   Q6_K (1680 B): d[8] | sc[16][8] (int8) | 8 units x (nibbles[128] | high bits[64])
+//   Q3_K (912 B):  d[8] | sc[16][8] (int8: the 6-bit scale less 32) |
+//                  8 units x (two bits[64] | third bits[32])
+//                  (the scales a byte each: 32 bytes more per 8 blocks, 3.6%)
+//   Q2_K (672 B):  d[8] | dmin[8] | sm[16][8] (the file's byte: scale | min << 4) |
+//                  8 units x two bits[64]
 //   IQ4_NL (144 B): d[8] | nibbles[128]                (Q4_0's; a nibble picks a level)
 //   IQ4_XS (1104 B): d[8] | sc[8][8] (int8: the unit's 6-bit scale less 32) |
 //                  8 units x nibbles[128]             (the scales a byte each: 16 bytes
@@ -27,6 +32,10 @@
 // q[256], 8 vectors j: byte 32 j + 4 r + i = value 4 j + i of row r.
 // high bits[64] (Q6_K's top 2 bits), 2 vectors s for t = 2 s, 2 s + 1: byte 32 s + 4 r + i
 //   holds, from bit 0, the values 8 t + i, 8 t + 4 + i of t = 2 s, then of t = 2 s + 1.
+// two bits[64] (Q2_K's and Q3_K's low 2 bits), 2 vectors c: byte 32 c + 4 r + i holds in
+//   bits 2 f, 2 f + 1 the value 4 (4 c + f) + i of row r (f = 0..3): vector v = 4 c + f of
+//   the unit is a shift by 2 f and a mask.
+// third bits[32] (Q3_K's), one vector: byte 4 r + i holds in bit v the value 4 v + i's.
 // fifth bits[32] (Q5_0's and Q5_K's top bit), one vector: byte 4 r + i holds in bit 2 t the value
 //   8 t + i's and in bit 2 t + 1 the value 8 t + 4 + i's (t = 0..3): at the byte of
 //   nibble vector t's same values, so a shift and a mask put them in place.
@@ -46,6 +55,11 @@ constexpr int kGroup = 8;
 static constexpr bool five_bit(int t) { return t == kQ5_0 || t == kQ5_K; }
 // Q4_K and Q5_K: scales and mins, the header's 6-bit pairs unpacked to a byte each.
 static constexpr bool k_with_mins(int t) { return t == kQ4_K || t == kQ5_K; }
+// Q2_K and Q3_K: values of 2 bits (Q3_K: and a third bit) in 64-byte (96-byte) units.
+static constexpr bool two_bit(int t) { return t == kQ2_K || t == kQ3_K; }
+// The K-quants with an integer scale per 16 values, which the kernels multiply their
+// integer sums by (a unit's two halves): Q2_K, Q3_K, Q6_K.
+static constexpr bool scaled16(int t) { return two_bit(t) || t == kQ6_K; }
 // IQ4_NL and IQ4_XS: nibbles that pick int8 levels (kIQ4Levels).
 static constexpr bool iq4(int t) { return t == kIQ4_NL || t == kIQ4_XS; }
 // Formats whose values the kernels multiply as signed int8: Q8_0's, IQ4's levels.
@@ -53,7 +67,7 @@ static constexpr bool signed_values(int t) { return t == kQ8_0 || iq4(t); }
 
 static inline bool packable(int t) {
   return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ8_0 || t == kQ4_K || t == kQ5_K ||
-         t == kQ6_K || iq4(t);
+         scaled16(t) || iq4(t);
 }
 
 // Bytes of a packed group-block's header, and of the group-block.
@@ -63,19 +77,20 @@ static inline int header_bytes(int t) {
     case kQ4_1: return 32;
     case kIQ4_XS: return 16 + 64;
     case kQ4_K: case kQ5_K: return 16 + 16 + 64 + 64;
-    case kQ6_K: return 16 + 128;
+    case kQ6_K: case kQ3_K: return 16 + 128;
+    case kQ2_K: return 16 + 16 + 128;
     default: return 0;
   }
 }
 static inline int64_t group_block_bytes(int t) {
-  return 8 * (int64_t)block_bytes(t) + (k_with_mins(t) ? 32 : t == kIQ4_XS ? 16 : 0);
+  return 8 * (int64_t)block_bytes(t) + (k_with_mins(t) || t == kQ3_K ? 32 : t == kIQ4_XS ? 16 : 0);
 }
 // Bytes of one packed group of 8 rows of k values.
 static inline int64_t group_bytes(int t, int64_t k) { return k / block_elems(t) * group_block_bytes(t); }
 
 // Value e (0..31) of unit j of a file block, as the unsigned (Q4_0, Q4_1, Q4_K: 0..15;
-// Q5_0, Q5_K: 0..31; Q6_K: 0..63; IQ4's level indices: 0..15) or signed (Q8_0) integer
-// the format stores.
+// Q5_0, Q5_K: 0..31; Q6_K: 0..63; Q2_K: 0..3; Q3_K: 0..7, its offset of 4 to come;
+// IQ4's level indices: 0..15) or signed (Q8_0) integer the format stores.
 template <int T>
 static inline int unit_value_t(const uint8_t* b, int j, int e) {
   switch (T) {
@@ -98,6 +113,11 @@ static inline int unit_value_t(const uint8_t* b, int j, int e) {
     }
     case kIQ4_NL: return e < 16 ? b[2 + e] & 0xF : b[2 + e - 16] >> 4;
     case kIQ4_XS: return e < 16 ? b[8 + 16 * j + e] & 0xF : b[8 + 16 * j + e - 16] >> 4;
+    // Q2_K: scales[16], qs[64]; Q3_K: hmask[32], qs[64] (a set bit j: unit j's value
+    // without the offset's -4): unit j's low bits are bits 2 (j % 4) of qs' 32 bytes j / 4
+    case kQ2_K: return (b[16 + 32 * (j >> 2) + e] >> (2 * (j & 3))) & 3;
+    case kQ3_K:
+      return ((b[32 + 32 * (j >> 2) + e] >> (2 * (j & 3))) & 3) | (((b[e] >> j) & 1) << 2);
     default: return 0;
   }
 }
@@ -106,7 +126,8 @@ static inline int units_per_block(int t) { return block_elems(t) / 32; }
 
 // Bytes of one packed unit of 8 rows (its values; the scales are in the header).
 static inline int unit_bytes(int t) {
-  return t == kQ8_0 ? 256 : t == kQ6_K ? 192 : five_bit(t) ? 160 : 128;
+  return t == kQ8_0 ? 256 : t == kQ6_K ? 192 : five_bit(t) ? 160 : t == kQ3_K ? 96
+         : t == kQ2_K ? 64 : 128;
 }
 
 // Repack rows [8 g, 8 g + 8) (file blocks, row_bytes apart) into one group (the type a
@@ -138,6 +159,18 @@ static inline void pack_group_t(const uint8_t* rows, int64_t row_bytes, uint8_t*
           memcpy(o + 2 * r, src[r] + 208, 2);
           for (int g = 0; g < 16; ++g) o[16 + 8 * g + r] = src[r][192 + g];
           break;
+        case kQ3_K: {
+          int8_t sc[16];
+          q3_k_scales(src[r] + 96, sc);
+          memcpy(o + 2 * r, src[r] + 108, 2);
+          for (int g = 0; g < 16; ++g) o[16 + 8 * g + r] = (uint8_t)sc[g];
+          break;
+        }
+        case kQ2_K:
+          memcpy(o + 2 * r, src[r] + 80, 2);
+          memcpy(o + 16 + 2 * r, src[r] + 82, 2);
+          for (int g = 0; g < 16; ++g) o[32 + 8 * g + r] = src[r][g];
+          break;
         default: break;
       }
     }
@@ -147,6 +180,23 @@ static inline void pack_group_t(const uint8_t* rows, int64_t row_bytes, uint8_t*
       int v[kGroup][32];
       for (int r = 0; r < kGroup; ++r)
         for (int e = 0; e < 32; ++e) v[r][e] = unit_value_t<T>(src[r], j, e);
+      if (two_bit(t)) {
+        for (int c = 0; c < 2; ++c)
+          for (int r = 0; r < kGroup; ++r)
+            for (int i = 0; i < 4; ++i) {
+              int bits = 0;
+              for (int f = 0; f < 4; ++f) bits |= (v[r][4 * (4 * c + f) + i] & 3) << (2 * f);
+              u[32 * c + 4 * r + i] = (uint8_t)bits;
+            }
+        if (t == kQ3_K)
+          for (int r = 0; r < kGroup; ++r)
+            for (int i = 0; i < 4; ++i) {
+              int bits = 0;
+              for (int vv = 0; vv < 8; ++vv) bits |= ((v[r][4 * vv + i] >> 2) & 1) << vv;
+              u[64 + 4 * r + i] = (uint8_t)bits;
+            }
+        continue;
+      }
       if (t == kQ8_0) {
         for (int jj = 0; jj < 8; ++jj)
           for (int r = 0; r < kGroup; ++r)
@@ -194,6 +244,8 @@ static inline void pack_group(int t, const uint8_t* rows, int64_t row_bytes, uin
     case kQ4_K: return pack_group_t<kQ4_K>(rows, row_bytes, out);
     case kQ5_K: return pack_group_t<kQ5_K>(rows, row_bytes, out);
     case kQ6_K: return pack_group_t<kQ6_K>(rows, row_bytes, out);
+    case kQ2_K: return pack_group_t<kQ2_K>(rows, row_bytes, out);
+    case kQ3_K: return pack_group_t<kQ3_K>(rows, row_bytes, out);
     case kIQ4_NL: return pack_group_t<kIQ4_NL>(rows, row_bytes, out);
     case kIQ4_XS: return pack_group_t<kIQ4_XS>(rows, row_bytes, out);
     default: return;
