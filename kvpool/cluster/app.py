@@ -223,8 +223,9 @@ def start_proxy(serve: Any, host: str, port: int, tries: int = 5) -> int:
     """Start Serve's HTTP proxy on ``host:port`` and return the port. ``port`` 0: a free
     port chosen now, after Ray's processes have started, and another one if something took
     it before the proxy bound it (``tries`` in all). A proxy killed before it ran
-    (``proxy_gave_out``) is started again, on any port, up to ``tries`` times. Raises
-    ``PortInUse`` where the port asked for, or every port tried, was taken."""
+    (``proxy_gave_out``) is started again (on the port asked for, or another free one),
+    up to ``tries`` times in all, then its error raised. Raises ``PortInUse`` where the
+    port asked for, or every port tried, was taken."""
     for attempt in range(tries):
         chosen = port or unclaimed_port(host)
         try:
