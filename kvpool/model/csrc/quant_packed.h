@@ -60,6 +60,9 @@ static constexpr bool two_bit(int t) { return t == kQ2_K || t == kQ3_K; }
 // The K-quants with an integer scale per 16 values, which the kernels multiply their
 // integer sums by (a unit's two halves): Q2_K, Q3_K, Q6_K.
 static constexpr bool scaled16(int t) { return two_bit(t) || t == kQ6_K; }
+// Where a scaled16 format's header holds its scale bytes [16][8] (scale g of row r at
+// 8 g + r; unit j's halves are scales 2 j and 2 j + 1): after d (Q3_K, Q6_K) or d and dmin.
+static constexpr int scales16_at(int t) { return t == kQ2_K ? 32 : 16; }
 // IQ4_NL and IQ4_XS: nibbles that pick int8 levels (kIQ4Levels).
 static constexpr bool iq4(int t) { return t == kIQ4_NL || t == kIQ4_XS; }
 // Formats whose values the kernels multiply as signed int8: Q8_0's, IQ4's levels.
