@@ -53,7 +53,8 @@ def _choices(env_features: str | None) -> dict:
         "print(json.dumps({'features': cpu_features().__dict__, 'dtype': str(m.dtype),\n"
         "  'seconds': loaded.dtype_seconds, 'line': loaded.compute_line(),\n"
         "  'variant': kernel_variant(), 'quantized': isinstance(m.layers[0].qkv, QuantLinear),\n"
-        "  'policy_variant': m.products.variant, 'exact': m.products.exact}))\n"
+        "  'policy_variant': m.products.variant, 'exact': m.products.exact,\n"
+        "  'one_row': m.products.one_row, 'one_row_ms': m.products.one_row_ms}))\n"
     )
     env = dict(os.environ)
     if env_features is not None:
@@ -102,6 +103,15 @@ def test_choices_follow_the_cpu(narrowed):
     fp32_faster = seconds["float32"] < seconds["bfloat16"] / BF16_MARGIN
     assert got["dtype"] == ("torch.float32" if fp32_faster else "torch.bfloat16")
     assert "measured" in got["line"] and got["variant"] in got["line"]
+    # a single row's packed kernel: measured where the variant has two (AVX-512's)
+    from kvpool.model.products import ONE_ROW_NARROW, ONE_ROW_OWN, ONE_ROW_WIDE
+
+    if got["variant"].startswith("avx512"):
+        wide, narrow = got["one_row_ms"]
+        assert got["one_row"] == (ONE_ROW_WIDE if wide <= narrow else ONE_ROW_NARROW)
+        assert f"batch-1 step {wide:.1f} ms in 512-bit" in got["line"]
+    else:
+        assert got["one_row"] == ONE_ROW_OWN and got["one_row_ms"] is None
 
 
 def test_the_module_runs_what_the_cpu_has():

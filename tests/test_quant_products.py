@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 from kvpool.bench.random_blocks import TYPES, random_blocks  # noqa: E402
 from kvpool.model.cpu import cpu_features  # noqa: E402
 from kvpool.model.native import native_ops  # noqa: E402
+from kvpool.model.products import ONE_ROW_NARROW, ONE_ROW_OWN  # noqa: E402
 
 ops = native_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="native ops not built here")
@@ -104,7 +105,7 @@ def test_parts_in_the_files_layout_take_their_own_kind_of_product(variant):
             for raw, tid in zip(raws, tids, strict=True)
         ]
         assert torch.equal(mixed, torch.cat(alone, 1)), (packed_kind, file_kind)
-    for bad in (3, 16, 3 | 1 << 2, (1 + 3) << 2):
+    for bad in (3, 64, 3 | 1 << 2, 3 << 4):  # kinds 0-2; file kinds 1-3; one_row 0-2
         with pytest.raises(RuntimeError, match="mode"):
             ops.quant_matmul(x, raws, tids, bad, variant)
 
@@ -119,8 +120,38 @@ def test_a_policy_with_a_crossover_for_the_files_layout_encodes_both_kinds():
     assert both.mode(32) == INT8 | (1 + BF16_TILES) << 2
     assert both.mode(200) == BF16_TILES | (1 + BF16_TILES) << 2
     assert "in the file's layout: int8 products up to 8 rows, bf16 tiles above" in both.describe()
+    both.one_row, both.one_row_ms = ONE_ROW_NARROW, (4.5, 3.25)
+    assert both.mode(1) == INT8 | (1 + INT8) << 2 | ONE_ROW_NARROW << 4
+    assert both.mode(200) == BF16_TILES | (1 + BF16_TILES) << 2 | ONE_ROW_NARROW << 4
+    assert "one row in 256-bit vectors (batch-1 step 4.5 ms in 512-bit, 3.2 in 256-bit)" in (
+        both.describe()
+    )
     both.exact = True
     assert both.mode(32) == FLOAT
+
+
+def test_a_single_rows_kernel_is_measured_where_there_are_two_or_set(monkeypatch):
+    """AVX-512's packed kernels read one activation row as pairs of groups in 512-bit
+    vectors or one group in 256-bit ones (the same bits: the products tests): the load
+    measures batch-1 decode steps with each and keeps the faster (test_cpu_choice checks
+    the choice); ``KVPOOL_ONE_ROW`` sets it; a variant with one kernel measures nothing."""
+    from kvpool.model.loader import load_model
+
+    monkeypatch.setenv("KVPOOL_ONE_ROW", "narrow")
+    loaded = load_model(None, progress=False)
+    assert loaded.model.products.one_row == ONE_ROW_NARROW
+    assert loaded.model.products.one_row_ms is None
+    line = loaded.compute_line()
+    assert "one row in 256-bit vectors" in line and "batch-1 step" not in line
+    monkeypatch.setenv("KVPOOL_ONE_ROW", "widest")
+    with pytest.raises(ValueError, match="KVPOOL_ONE_ROW"):
+        load_model(None, progress=False)
+    monkeypatch.delenv("KVPOOL_ONE_ROW")
+    monkeypatch.setenv("KVPOOL_CPU_FEATURES", "avx2")
+    narrowed = load_model(None, progress=False).model.products
+    assert narrowed.variant in ("avx2", "avx512-bf16")  # (emulated AVX-512 runs anywhere)
+    if narrowed.variant == "avx2":
+        assert narrowed.one_row == ONE_ROW_OWN and narrowed.one_row_ms is None
 
 
 def test_fused_parts_of_different_formats_equal_separate_products():
@@ -290,6 +321,9 @@ def test_packed_products_equal_the_row_kernels(qtype, variant):
         assert torch.equal(alone, batch[i])
     for n in (n for n in (30, 27) if n < len(x)):
         assert torch.equal(ops.quant_matmul(x[:n], [packed], [tid | PACKED], 0, variant), batch[:n])
+    for one_row in (1, 2):  # a single row's two kernels (AVX-512's; one elsewhere): one result
+        alone = ops.quant_matmul(x[:1], [packed], [tid | PACKED], one_row << 4, variant)
+        assert torch.equal(alone[0], batch[0])
     assert ops.quant_packs(tid, variant) == (variant in X86_VARIANTS)
     if variant.startswith("avx512"):  # AVX-512's packed kernels agree bit for bit, AMX too
         # 150 rows: a block of 128 (on AMX one call, its 16-row tiles after one unpacking

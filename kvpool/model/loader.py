@@ -24,13 +24,20 @@ import torch
 from kvpool.formats.gguf_header import read_gguf_header
 from kvpool.model.config import ModelConfig
 from kvpool.model.cpu import cpu_features
-from kvpool.model.gguf_weights import KEPT_QUANTIZED, dequantized_types, load_gguf_weights
+from kvpool.model.gguf_weights import (
+    KEPT_QUANTIZED,
+    PACKED,
+    dequantized_types,
+    load_gguf_weights,
+)
 from kvpool.model.int4_products import FOUR_BIT, Int4Linear, int4_unavailable
 from kvpool.model.llama import LlamaModel, can_prepack
 from kvpool.model.native import kernel_variant, native_ops, unavailable_reason
 from kvpool.model.products import (
     BF16_TILES,
     FLOAT,
+    ONE_ROW_NARROW,
+    ONE_ROW_WIDE,
     ProductPolicy,
     QuantLinear,
     calibrate,
@@ -249,6 +256,40 @@ def _choose_crossover(products: ProductPolicy, model: LlamaModel, dtype: torch.d
     products.file_crossover = True
 
 
+def _choose_one_row(products: ProductPolicy, model: LlamaModel) -> None:
+    """The packed kernel for a step of one row, where the variant has two (AVX-512's: a
+    pair of groups in 512-bit vectors, or one group in 256-bit ones; the same results bit
+    for bit): batch-1 decode steps of the model with each, alternating, the faster kept
+    (the pair kernel read faster on an AMX Xeon and 1.3-1.5x slower on Zen 4, which runs
+    a 512-bit operation as two halves). ``KVPOOL_ONE_ROW`` ("wide", "narrow") sets it."""
+    forced = os.environ.get("KVPOOL_ONE_ROW")
+    if forced is not None:
+        kinds = {"wide": ONE_ROW_WIDE, "narrow": ONE_ROW_NARROW}
+        if forced not in kinds:
+            raise ValueError(f"KVPOOL_ONE_ROW: 'wide' or 'narrow', not {forced!r}")
+        products.one_row = kinds[forced]
+        return
+    layer = model.layers[0]
+    packed = any(
+        isinstance(x, QuantLinear) and any(t & PACKED for t in x.types)
+        for x in (layer.o, layer.qkv, layer.gate_up, layer.down)
+    )
+    if not (products.variant.startswith("avx512") and packed):
+        return
+    step = _decode_stepper(model, 2 * (DTYPE_ROUNDS + 1))
+
+    def with_kernel(kind: int) -> Callable[[], float]:
+        def timed() -> float:
+            products.one_row = kind
+            return step()
+
+        return timed
+
+    times = median_of_alternating({k: with_kernel(k) for k in (ONE_ROW_WIDE, ONE_ROW_NARROW)})
+    products.one_row = min(times, key=times.__getitem__)
+    products.one_row_ms = (times[ONE_ROW_WIDE] * 1e3, times[ONE_ROW_NARROW] * 1e3)
+
+
 def load_model(
     name: str | None = None,
     *,
@@ -333,6 +374,8 @@ def load_model(
     fixed = model.products.exact or model.products.fixed
     if not fixed and isinstance(model.layers[0].o, QuantLinear):
         _choose_crossover(model.products, model, torch_dtype)
+    if not model.products.exact and isinstance(model.layers[0].o, QuantLinear):
+        _choose_one_row(model.products, model)
     model.source_path = Path(path)
     if on_gpu:  # what the model holds there (device_memory sizes the KV pool with it)
         model.device_bytes = torch.cuda.memory_allocated(dev) - gpu_before

@@ -32,6 +32,9 @@ from kvpool.model.gguf_weights import PACKED, QuantizedMatrix
 from kvpool.model.native import native_ops
 
 INT8, FLOAT, BF16_TILES = 0, 1, 2  # quant_matmul's modes
+# The packed kernel for a single activation row (quant_matmul's mode, 16 x): the kernels'
+# own choice, AVX-512's pair of groups in 512-bit vectors, or one group in 256-bit ones
+ONE_ROW_OWN, ONE_ROW_WIDE, ONE_ROW_NARROW = 0, 1, 2
 
 
 @dataclass
@@ -45,7 +48,11 @@ class ProductPolicy:
     in the file's layout (the kernels' row form: Q5_1 on x86, which has no packed layout;
     its int8 products of many rows are several times slower than the packed formats'),
     measured apart where a model has both kinds; without it, the one crossover holds for
-    all."""
+    all.
+
+    ``one_row``: the packed kernel for a step of one row (a batch-1 decode step) on an
+    AVX-512 variant (``ONE_ROW_WIDE`` or ``ONE_ROW_NARROW``; the same results bit for bit),
+    measured at load; ``ONE_ROW_OWN`` leaves it to the kernels."""
 
     exact: bool = False
     int8_max_rows: int | None = None
@@ -54,6 +61,8 @@ class ProductPolicy:
     fixed: bool = False  # batch-invariant: int8 at every size, never recalibrated
     file_crossover: bool = False
     file_int8_max_rows: int | None = None
+    one_row: int = ONE_ROW_OWN
+    one_row_ms: tuple[float, float] | None = None  # measured: (wide, narrow) a decode step
 
     def _kind(self, rows: int, crossover: int | None) -> int:
         if crossover is None or rows <= crossover:
@@ -62,13 +71,15 @@ class ProductPolicy:
 
     def mode(self, rows: int) -> int:
         """quant_matmul's mode: the kind of product (``INT8``, ``FLOAT``, ``BF16_TILES``),
-        plus 4 x (1 + the kind for the file's layout) where that has its own crossover."""
+        plus 4 x (1 + the kind for the file's layout) where that has its own crossover,
+        plus 16 x ``one_row``."""
         if self.exact:
             return FLOAT
         mode = self._kind(rows, self.int8_max_rows)
         if self.file_crossover:
             mode |= (1 + self._kind(rows, self.file_int8_max_rows)) << 2
-        return mode
+        # (for any number of rows: a mixture of experts' product may give an expert one)
+        return mode | self.one_row << 4
 
     def describe(self) -> str:
         ops = native_ops()
@@ -96,6 +107,12 @@ class ProductPolicy:
             what += ", batch-invariant"
         if self.file_crossover:
             what += f"; matrices in the file's layout: {kinds(self.file_int8_max_rows)}"
+        if self.one_row != ONE_ROW_OWN:
+            width = "512-bit vectors" if self.one_row == ONE_ROW_WIDE else "256-bit vectors"
+            what += f"; one row in {width}"
+            if self.one_row_ms is not None:
+                wide, narrow = self.one_row_ms
+                what += f" (batch-1 step {wide:.1f} ms in 512-bit, {narrow:.1f} in 256-bit)"
         return f"{what} ({kernels})"
 
 

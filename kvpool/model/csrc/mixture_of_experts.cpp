@@ -113,8 +113,10 @@ at::Tensor MixtureOfExperts::run(const at::Tensor& h, int64_t mode, int64_t int8
       for (int64_t r = 0; r < n; ++r) rows.data_ptr<int64_t>()[r] = picks[r] / k;
       x = h.index_select(0, rows);
     }
-    // QuantLinear's mode for this expert's rows (ProductPolicy.mode of n rows)
-    const int64_t m = (mode != 0 && int8_max_rows >= 0 && n <= int8_max_rows) ? 0 : mode;
+    // QuantLinear's mode for this expert's rows (ProductPolicy.mode of n rows; bits 4-5,
+    // the single row's kernel, kept)
+    const bool int8 = (mode & 15) != 0 && int8_max_rows >= 0 && n <= int8_max_rows;
+    const int64_t m = int8 ? mode & ~int64_t{15} : mode;
     const LayerProduct& gu = gate_up_[e];
     const LayerProduct& dn = down_[e];
     const at::Tensor g = silu_mul(quant_matmul(x, gu.parts, gu.types, m, variant, true), "");

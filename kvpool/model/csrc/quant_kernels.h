@@ -81,6 +81,9 @@ inline void offsets_whole(const int8_t* q, int64_t m, int64_t k, int64_t ldq, in
   }
 }
 
+// packed_dot's kernel for a single activation row (quant_matmul's mode, bits 4-5).
+constexpr int kOneRowOwn = 0, kOneRowWide = 1, kOneRowNarrow = 2;
+
 struct QuantKernels {
   const char* name;  // the instruction set: "avx512-vnni", "avx2", "generic"
   // Quantize m rows of k floats (k a multiple of 32) into q (rows ldq apart), d, ds, dsh.
@@ -104,8 +107,12 @@ struct QuantKernels {
   void (*offsets_into_sums)(const int8_t* q, int64_t m, int64_t k, int64_t ldq, int32_t* off4,
                             int32_t* off6);
   // As int_dot, for n_groups packed groups of 8 rows (group_bytes apart): rows 8 g .. 8 g + 7.
+  // one_row, for a single activation row (m == 1): kOneRowOwn the table's own choice,
+  // kOneRowWide AVX-512's kernel for pairs of groups, kOneRowNarrow one group at a time in
+  // 256-bit vectors (the same results bit for bit; which reads faster is the CPU's: a
+  // 512-bit unit's, or two 256-bit halves', ProductPolicy measures it at load).
   void (*packed_dot)(int t, const uint8_t* w, int64_t group_bytes, int64_t n_groups,
-                     const Q8Rows* a, int64_t m, float* y, int64_t ldy);
+                     const Q8Rows* a, int64_t m, float* y, int64_t ldy, int one_row);
   // y[r * ldy + n] = dot(float weight row n of w (ldw apart), x row r (k apart)), all float32.
   void (*float_dot)(const float* w, int64_t ldw, int64_t n_rows, const float* x, int64_t m,
                     int64_t k, float* y, int64_t ldy);

@@ -263,12 +263,16 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
               "x: float32 or bfloat16");
   // mode: bits 0-1 the product's kind (0 integer, 1 float, 2 bf16 tiles); bits 2-3, where
   // set, one more than the kind of the parts in the file's layout (those the kernels
-  // multiply unpacked, whose crossover to tiles comes earlier: ProductPolicy)
+  // multiply unpacked, whose crossover to tiles comes earlier: ProductPolicy); bits 4-5 the
+  // packed kernel for a single row (kvp::kOneRowOwn, kOneRowWide or kOneRowNarrow)
   const int64_t packed_mode = mode & 3;
-  const int64_t file_mode = (mode >> 2) ? (mode >> 2) - 1 : packed_mode;
-  TORCH_CHECK(mode >= 0 && mode < 16 && packed_mode <= 2 && file_mode <= 2,
+  const int64_t file_mode = (mode >> 2 & 3) ? (mode >> 2 & 3) - 1 : packed_mode;
+  const int one_row = static_cast<int>(mode >> 4);
+  TORCH_CHECK(mode >= 0 && mode < 64 && packed_mode <= 2 && file_mode <= 2 &&
+                  one_row <= kvp::kOneRowNarrow,
               "mode: 0 (integer), 1 (float) or 2 (bf16 tiles), plus 4 x (1 + the kind for "
-              "the file's layout) where it differs");
+              "the file's layout) where it differs, plus 16 x the single row's packed kernel "
+              "(0 the kernels' own, 1 wide, 2 narrow)");
   const int64_t m = x_in.size(0), k = x_in.size(1);
   const auto parts = check_parts(parts_in, types, k);
   const int64_t n_total = parts.back().offset + parts.back().rows;
@@ -443,7 +447,7 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
     if (p.packed) {
       const int64_t group_bytes = kvp::group_bytes(p.type, k);
       t->packed_dot(p.type, p.raw + task.row / kvp::kGroup * group_bytes, group_bytes,
-                    task.rows / kvp::kGroup, &block, mb, out, ldo);
+                    task.rows / kvp::kGroup, &block, mb, out, ldo, one_row);
     } else {
       t->int_dot(p.type, p.raw + task.row * p.row_bytes, p.row_bytes, task.rows, &block, mb, out,
                  ldo);
