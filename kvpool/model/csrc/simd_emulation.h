@@ -5,7 +5,7 @@
 // tests run there. Included by isa_variant.inc in place of <immintrin.h>, after the
 // target pragma; never part of a production build.
 //
-// SIMDe lacks three names the kernels use: they are defined here from its intrinsics;
+// SIMDe lacks five names the kernels use: they are defined here from its intrinsics;
 // its fused multiply-adds are replaced (below).
 // _mm512_reduce_add_ps is not one instruction: GCC's header defines it as this sequence
 // (halves, then quarters, then pairs), so these sums have the same bits as on AVX-512.
@@ -32,6 +32,17 @@ static inline float _mm512_reduce_add_ps(__m512 a) {
   s = _mm_add_ps(s, _mm_shuffle_ps(s, s, _MM_SHUFFLE(1, 0, 3, 2)));
   s = _mm_add_ps(s, _mm_shuffle_ps(s, s, _MM_SHUFFLE(0, 1, 0, 1)));
   return _mm_cvtss_f32(s);
+}
+
+// 16 bytes widened to 16 int32 (sign- or zero-extended): each half by AVX2's form
+static inline __m512i _mm512_cvtepi8_epi32(__m128i a) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_cvtepi8_epi32(a)),
+                            _mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)), 1);
+}
+
+static inline __m512i _mm512_cvtepu8_epi32(__m128i a) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_cvtepu8_epi32(a)),
+                            _mm256_cvtepu8_epi32(_mm_srli_si128(a, 8)), 1);
 }
 
 static inline float _cvtsh_ss(unsigned short h) {
