@@ -8,6 +8,10 @@ sequence of AVX2 ones (``kvpool.model.native``, ``csrc/simd_emulation.h``), and 
 that every one of them ran and passed. Where the CPU has AVX-512 they run natively in
 the suite itself, and this test skips.
 
+AMX's kernels likewise: the emulation build's avx512-amx variant has its tiles in plain
+C++ (``csrc/amx_emulation.h``), and its cases run emulated on every CPU without AMX
+(AVX-512 ones included), natively on AMX CPUs.
+
 What emulation cannot show: speed, and instructions whose rounding SIMDe composes
 differently from the hardware (none of the kernels' tests has told them apart so far;
 their assertions are against references and between variants, bit for bit where the
@@ -39,7 +43,8 @@ KERNEL_TESTS = [
     "tests/test_native_ops.py",
     "tests/test_sliding_window.py",
 ]
-AT_LEAST = 460  # 468 at the forty-second session (AMX's cases left out: none emulated)
+AT_LEAST = 460  # 468 at the forty-second session (AMX's cases apart)
+AT_LEAST_AMX = 120  # AMX's cases in the same files at the forty-fourth session
 # Whole-model tests, each on the kernels the runtime chooses (~100 s emulated, 2 cores).
 MODEL_TESTS = [
     "tests/test_model_reference.py::test_logits_match_reference",
@@ -49,11 +54,18 @@ MODEL_TESTS = [
 ]
 
 
-def _why_not() -> str | None:
+def _why_not(amx: bool = False) -> str | None:
+    """Why the AVX-512 kernels' tests (``amx``: AMX's) are not run emulated here."""
+    from kvpool.model.native import native_ops
+
     cpu = cpu_features()
     if os.environ.get("KVPOOL_NATIVE", "1") == "0":
         return "the native ops are disabled here (KVPOOL_NATIVE=0)"
-    if cpu.avx512 and cpu.avx512_vnni and cpu.avx512_bf16:
+    if amx:
+        ops = native_ops()
+        if ops is not None and "avx512-amx" in ops.kernel_variants():
+            return "this CPU runs the AMX kernels' tests natively"
+    elif cpu.avx512 and cpu.avx512_vnni and cpu.avx512_bf16:
         return "this CPU runs the AVX-512 kernels' tests natively"
     if not cpu.avx2:
         return f"the emulation composes AVX-512 from AVX2, which this CPU lacks ({cpu.summary()})"
@@ -66,10 +78,10 @@ def _why_not() -> str | None:
     return None
 
 
-def _emulated(args: list[str], timeout: float = 3000) -> tuple[int, str, str]:
+def _emulated(args: list[str], timeout: float = 3000, amx: bool = False) -> tuple[int, str, str]:
     """Runs ``python args`` in a child with the emulated AVX-512 variants: return code,
     the last line of its output, its last 40 lines."""
-    reason = _why_not()
+    reason = _why_not(amx)
     if reason:
         pytest.skip(reason)
     env = {**os.environ, "KVPOOL_EMULATE_AVX512": "1"}
@@ -87,12 +99,22 @@ def _pytest(args: list[str]) -> list[str]:
 
 
 def test_the_avx512_kernels_pass_their_tests_under_emulation():
-    """Every AVX-512 case but AMX's: SIMDe has no tiles, so the emulation build has no
-    avx512-amx variant (its cases would skip there; they run natively on AMX CPUs)."""
+    """Every AVX-512 case but AMX's (the next test's, which also run on AVX-512 CPUs)."""
     rc, summary, tail = _emulated(_pytest(["-k", "avx512 and not amx", *KERNEL_TESTS]))
     assert rc == 0, f"the emulated AVX-512 kernels failed their tests:\n{tail}"
     passed = re.search(r"(\d+) passed", summary)
     assert passed and int(passed.group(1)) >= AT_LEAST, f"too few ran:\n{tail}"
+    assert not re.search(r"\d+ (skipped|xfailed|failed|error)", summary), tail
+
+
+def test_the_amx_kernels_pass_their_tests_under_emulation():
+    """AMX's cases, its tiles emulated (bit for bit against the dot instructions, and
+    the rest of each test), on any CPU without AMX: its code would otherwise run only on
+    the AMX machines this project draws now and then."""
+    rc, summary, tail = _emulated(_pytest(["-k", "amx", *KERNEL_TESTS]), amx=True)
+    assert rc == 0, f"the emulated AMX kernels failed their tests:\n{tail}"
+    passed = re.search(r"(\d+) passed", summary)
+    assert passed and int(passed.group(1)) >= AT_LEAST_AMX, f"too few ran:\n{tail}"
     assert not re.search(r"\d+ (skipped|xfailed|failed|error)", summary), tail
 
 

@@ -34,8 +34,10 @@ computes the same (tests compare the two).
 ``KVPOOL_EMULATE_AVX512=1`` builds another module, for tests: its AVX-512 variants are
 compiled from SIMDe's intrinsics (the ``simde-py`` package's headers) under the AVX2
 target and run on any CPU with AVX2, a few times slower than the real instructions, so
-the AVX-512 code is tested on machines without AVX-512 (``tests/test_emulated_avx512.py``).
-The runtime then counts them runnable and chooses them like any other.
+the AVX-512 code is tested on machines without AVX-512 (``tests/test_emulated_avx512.py``);
+its AMX variant's tiles are plain C++ (``csrc/amx_emulation.h``), so the AMX code is
+tested on machines without AMX. The runtime then counts them runnable and chooses them
+like any other, but for the emulated tiles.
 """
 
 from __future__ import annotations
@@ -350,8 +352,9 @@ def kernel_variant() -> str:
     ops = native_ops()
     if ops is None:
         return ""
-    if emulating_avx512():  # every variant the module lists runs, the CPU's or emulated
-        return ops.kernel_variants()[0]
+    if emulating_avx512():  # every variant the module lists runs, the CPU's or emulated,
+        # AMX's tiles in plain C++ (for the kernels' tests: the runtime takes the next)
+        return next(v for v in ops.kernel_variants() if v != "avx512-amx")
     cpu = cpu_features()
     for name in ops.kernel_variants():
         if all(getattr(cpu, need) for need in VARIANT_NEEDS.get(name, ("unknown",))):
