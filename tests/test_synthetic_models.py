@@ -51,6 +51,11 @@ MIXES = {
         "attn_v.weight": "IQ4_NL", "attn_output.weight": "IQ4_XS", "ffn_gate.weight": "IQ4_XS",
         "ffn_up.weight": "IQ4_NL", "ffn_down.weight": "IQ4_XS", "output.weight": "Q6_K",
     },
+    "grids": {  # kept in their blocks, multiplied by dequantized tiles
+        "token_embd.weight": "IQ3_S", "attn_q.weight": "IQ2_XXS", "attn_k.weight": "IQ2_XS",
+        "attn_v.weight": "IQ3_XXS", "attn_output.weight": "IQ2_S", "ffn_gate.weight": "IQ1_S",
+        "ffn_up.weight": "IQ1_M", "ffn_down.weight": "IQ3_S", "output.weight": "IQ2_XXS",
+    },
 }  # fmt: skip
 # The quantized path's logits against the dequantized reference: float products are
 # exact up to the order of sums; int8 products (activations quantized per block of 32)
@@ -274,7 +279,9 @@ def test_llama3_rope_scaling_matches_reference(tmp_path: Path):
     assert (ours - unscaled).abs().max().item() > 1e-2  # the scaling is really applied
 
 
-@pytest.mark.parametrize("qname", ["Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q6_K", "Q2_K"])
+@pytest.mark.parametrize(
+    "qname", ["Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q6_K", "Q2_K", "IQ3_S", "IQ1_M"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_embedding_rows_equal_the_dequantized_matrix(tmp_path, qname, dtype):
     path = write_model(tmp_path / "m.gguf", "llama", {"token_embd.weight": qname})
@@ -499,6 +506,69 @@ def test_the_compute_line_names_matrices_dequantized_at_load(tmp_path: Path, mon
     monkeypatch.setattr(loader, "KEPT_QUANTIZED", loader.KEPT_QUANTIZED - {8})
     line = loader.load_model(str(path), dtype="float32", progress=False).compute_line()
     assert line.endswith("; matrices dequantized at load: 3 Q8_0"), line
+
+
+@pytest.mark.skipif(_native() is None, reason="the native ops are not built here")
+def test_the_grid_formats_stay_in_their_blocks(tmp_path: Path):
+    """IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S matrices are kept as the
+    file's bytes (their products dequantize tiles: no copy in another precision), the
+    load line names no dequantized matrix, and a step gives the float path's logits
+    (test_random_model_matches_reference compares those with transformers')."""
+    import kvpool.model.loader as loader
+    from kvpool.model.products import QuantLinear
+
+    path = write_model(tmp_path / "grids.gguf", "llama", MIXES["grids"], seed=5)
+    loaded = loader.load_model(str(path), progress=False)
+    layer = loaded.model.layers[0]
+    products = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    assert all(isinstance(p, QuantLinear) for p in products)
+    assert {t for p in products for t in p.types} == {16, 17, 18, 19, 21, 22, 29}
+    assert loaded.dequantized == {} and "dequantized at load" not in loaded.compute_line()
+    matrices = [t for t in read_gguf_header(path).tensors if len(t.shape) == 2]
+    file_bytes = sum(t.num_bytes for t in matrices if t.name.startswith("blk."))
+    held = sum(p.nbytes for layer in loaded.model.layers for p in (
+        layer.qkv, layer.o, layer.gate_up, layer.down))  # fmt: skip
+    assert held == file_bytes  # the layers' matrices: the file's blocks, once
+    exact = loader.load_model(str(path), dtype="float32", progress=False).model
+    prompt = [(5 * i + 1) % 500 for i in range(24)]
+    assert torch.allclose(_logits(loaded.model, prompt).float(), _logits(exact, prompt), atol=0.1)
+
+
+def test_the_native_grids_are_the_gguf_packages():
+    """The tables handed to the native module are the gguf package's own (its
+    dequantizers read them), in the shapes the kernels index; other values are refused."""
+    from kvpool.model.native import iq_grids
+
+    ops = _native()
+    grids = iq_grids()
+    shapes = [(256, 8), (512, 8), (1024, 8), (256, 4), (512, 4), (2048, 8)]
+    assert [tuple(g.shape) for g in grids] == shapes
+    assert set(grids[0].unique().tolist()) == {8, 25, 43} and grids[5].dtype == torch.int8
+    assert set(grids[5].unique().tolist()) == {-1, 0, 1}
+    if ops is None:
+        return
+    ops.set_iq_grids(grids)  # again, the same: accepted
+    other = [g.clone() for g in grids]
+    other[0][0, 0] = 9
+    with pytest.raises(RuntimeError, match="other values"):
+        ops.set_iq_grids(other)
+    with pytest.raises(RuntimeError, match="grid 3"):
+        ops.set_iq_grids([*grids[:3], grids[3][:, :2], *grids[4:]])
+
+
+def test_synth_models_iq2_xxs_mix():
+    """IQ2_XXS: the head Q5_K, an untied embedding Q2_K, attn_v Q4_K where four or more
+    query heads share a KV head (Q2_K elsewhere), the rest IQ2_XXS."""
+    from kvpool.bench.synth_model import FILE_TYPES, PRESETS, tensor_type
+
+    g, untied = PRESETS["llama-3.2-1b"], PRESETS["llama-3.1-8b"]  # 4 heads a KV head
+    assert tensor_type("IQ2_XXS", "token_embd.weight", -1, g) == "Q5_K"  # tied: the head
+    assert tensor_type("IQ2_XXS", "token_embd.weight", -1, untied) == "Q2_K"
+    assert tensor_type("IQ2_XXS", "output.weight", -1, untied) == "Q5_K"
+    assert tensor_type("IQ2_XXS", "blk.3.attn_v.weight", 3, g) == "Q4_K"
+    for name in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        assert tensor_type("IQ2_XXS", f"blk.3.{name}.weight", 3, g) == "IQ2_XXS"
+    assert FILE_TYPES["IQ2_XXS"] == 19  # llama.cpp's LLAMA_FTYPE_MOSTLY_IQ2_XXS
 
 
 def test_synth_models_iq4_xs_mix_follows_llama_cpps_rules(tmp_path: Path):

@@ -23,6 +23,14 @@ TYPES: dict[str, tuple[int, int, int, tuple[int, ...], tuple[int, ...]]] = {
     "Q6_K": (14, 256, 210, (208,), ()),
     "IQ4_NL": (20, 32, 18, (0,), ()),
     "IQ4_XS": (23, 256, 136, (0,), ()),
+    # the grid formats (IQ1_M's fp16 scale is spread over its scales' top nibbles)
+    "IQ2_XXS": (16, 256, 66, (0,), ()),
+    "IQ2_XS": (17, 256, 74, (0,), ()),
+    "IQ2_S": (22, 256, 82, (0,), ()),
+    "IQ3_XXS": (18, 256, 98, (0,), ()),
+    "IQ3_S": (21, 256, 110, (0,), ()),
+    "IQ1_S": (19, 256, 50, (0,), ()),
+    "IQ1_M": (29, 256, 56, (), ()),
 }
 
 
@@ -46,6 +54,9 @@ def random_blocks(
     # (IQ4: levels to +-127; IQ4_XS's unit scales to +-32 besides)
     levels = {"Q8_0": 128, "Q6_K": 32 * 64, "Q5_0": 16, "Q5_1": 32, "Q5_K": 32 * 64}
     levels |= {"IQ4_NL": 128, "IQ4_XS": 128 * 32}
+    # (the grid formats: the largest grid value times the largest sub-block scale)
+    levels |= {"IQ2_XXS": 168, "IQ2_XS": 168, "IQ2_S": 168, "IQ3_XXS": 480, "IQ3_S": 465}
+    levels |= {"IQ1_S": 17, "IQ1_M": 17}
     step = scale / levels.get(qtype, 16 if elems == 32 else 16 * 64)
     for off in scales:
         d = rng.uniform(0.5 * step, 1.5 * step, size=count).astype(np.float16)
@@ -53,4 +64,10 @@ def random_blocks(
     for off in mins:
         m = rng.uniform(0.0, step * (64 if elems == 256 else 8), size=count).astype(np.float16)
         blocks[:, off : off + 2] = m.view(np.uint8).reshape(-1, 2)
+    if qtype == "IQ1_M":  # d's 16 bits: the top nibble of each of the four uint16 scales
+        d = rng.uniform(0.5 * step, 1.5 * step, size=count).astype(np.float16).view(np.uint16)
+        scales = blocks[:, 48:56].copy().view(np.uint16)  # [count, 4]
+        for i in range(4):
+            scales[:, i] = (scales[:, i] & 0x0FFF) | (((d >> (4 * i)) & 0xF) << 12)
+        blocks[:, 48:56] = scales.view(np.uint8)
     return blocks.reshape(rows, cols // elems * size)

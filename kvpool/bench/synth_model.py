@@ -14,9 +14,12 @@ layers' ``attn_v`` and the first sixteenth's ``ffn_down``); ``Q2_K`` uses Q2_K w
 head, Q3_K for ``attn_output`` and ``ffn_down`` and for ``attn_v`` (Q4_K where four or more
 query heads share a KV head); ``IQ4_XS`` (without an
 importance matrix) uses IQ4_XS with Q6_K for the head, Q5_K for ``attn_v`` where four or more
-query heads share a KV head and for the first eighth's ``ffn_down``. A tied embedding is the
-head, so it gets the head's type. The vocabulary is a SentencePiece one of the real size
-(byte tokens, a few pieces and fillers) with a ChatML template.
+query heads share a KV head and for the first eighth's ``ffn_down``; ``IQ2_XXS`` (a grid
+format, which llama.cpp makes with an importance matrix) uses IQ2_XXS with Q5_K for the head,
+Q2_K for an untied embedding, and Q4_K for ``attn_v`` where four or more query heads share a
+KV head (Q2_K elsewhere), following llama.cpp's rules for the type's neighbours. A tied
+embedding is the head, so it gets the head's type. The vocabulary is a SentencePiece one of
+the real size (byte tokens, a few pieces and fillers) with a ChatML template.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ PRESETS = {
     "gemma3-1b": Geometry("gemma3", 1152, 26, 4, 1, 6912, 262144, True, **_G3_1B),
     "gemma3-4b": Geometry("gemma3", 2560, 34, 8, 4, 10240, 262208, True, rope_linear=8.0, **_G3),
 }
-MIXES = ("Q4_0", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "IQ4_XS")
+MIXES = ("Q4_0", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "IQ4_XS", "IQ2_XXS")
 # llama.cpp's, for rows that are not whole 256-blocks
 FALLBACK = {
     "Q2_K": "Q4_0",
@@ -96,6 +99,7 @@ FALLBACK = {
     "Q5_K": "Q5_1",
     "Q6_K": "Q8_0",
     "IQ4_XS": "IQ4_NL",
+    "IQ2_XXS": "Q4_0",
 }
 # llama.cpp's general.file_type
 FILE_TYPES = {
@@ -106,6 +110,7 @@ FILE_TYPES = {
     "Q4_K_M": 15,
     "Q5_K_M": 17,
     "IQ4_XS": 30,
+    "IQ2_XXS": 19,
 }
 WEIGHT_SCALE = 0.06  # spread of the random weights (keeps activations finite and moving)
 
@@ -129,6 +134,16 @@ def tensor_type(mix: str, name: str, layer: int, geometry: Geometry) -> str:
             name.endswith("ffn_down.weight") and layer < geometry.layers // 8
         )
         qtype = "Q6_K" if head else "Q5_K" if more else "IQ4_XS"
+    elif mix == "IQ2_XXS":
+        grouped = geometry.heads // geometry.kv_heads >= 4
+        if head:
+            qtype = "Q5_K"
+        elif name == "token_embd.weight":
+            qtype = "Q2_K"
+        elif name.endswith("attn_v.weight"):
+            qtype = "Q4_K" if grouped else "Q2_K"
+        else:
+            qtype = "IQ2_XXS"
     elif mix == "Q3_K_M":  # attn_v: Q5_K in the first two layers; ffn_down: the first 16th
         if head:
             qtype = "Q6_K"

@@ -241,12 +241,34 @@ def _build(openmp: bool) -> ModuleType:
         with _building_alone(build_dir):
             if build_dir is None or not (build_dir / f"{name}.so").exists():
                 print("kvpool: compiling the native ops (once, ~30 s)...", file=sys.stderr)
-            return load(
+            ops = load(
                 name=name, sources=[str(path) for path in sources], extra_cflags=flags,
                 extra_ldflags=["-fopenmp"] if openmp else [], verbose=False,
             )  # fmt: skip
     except Exception as exc:  # no compiler, no headers, an unsupported platform
         raise _BuildFailed(exc, build_dir) from exc
+    ops.set_iq_grids(iq_grids())
+    return ops
+
+
+def iq_grids() -> list:
+    """The grid formats' tables (ggml's iq2xxs_grid, iq2xs_grid, iq2s_grid, iq3xxs_grid,
+    iq3s_grid, iq1s_grid; IQ1_M shares IQ1_S's), as the gguf package decodes them: what
+    the native module's ``set_iq_grids`` takes (uint8 rows of values; int8 for IQ1's -1,
+    0, 1). The module holds no copy of its own: these are the tables the package's
+    dequantizers read, which the tests compare the native ones with."""
+    import numpy as np
+    import torch
+    from gguf import quants
+
+    grids = []
+    for kind in (quants.IQ2_XXS, quants.IQ2_XS, quants.IQ2_S, quants.IQ3_XXS, quants.IQ3_S):
+        kind.init_grid()
+        grids.append(torch.from_numpy(kind.grid.reshape(kind.grid_shape).astype(np.uint8)))
+    quants.IQ1_S.init_grid()
+    grid = quants.IQ1_S.grid.reshape(quants.IQ1_S.grid_shape)
+    grids.append(torch.from_numpy(grid.astype(np.int8)))
+    return grids
 
 
 def _lacks_openmp(log: str) -> bool:

@@ -111,6 +111,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_pack", &quant_pack, "rows of GGUF blocks in the packed layout (groups of 8 rows)",
         py::arg("raw"), py::arg("qtype"), py::arg("into") = py::none());
   m.def("quant_packed_bytes", &quant_packed_bytes, "bytes of a matrix in the packed layout");
+  m.def("set_iq_grids", &set_iq_grids,
+        "the grid formats' tables, once (uint8 [256, 8] IQ2_XXS, [512, 8] IQ2_XS, [1024, 8] "
+        "IQ2_S, [256, 4] IQ3_XXS, [512, 4] IQ3_S, int8 [2048, 8] IQ1_S/IQ1_M)",
+        py::arg("grids"));
   m.def("quant_packs", &quant_packs, "whether these kernels multiply the packed layout of a type",
         py::arg("qtype"), py::arg("variant") = "");
   m.def("quant_has_int_dot", &quant_has_int_dot,

@@ -33,6 +33,7 @@ at::Tensor quant_dequantize(const at::Tensor& raw, int64_t qtype, int64_t k, con
 at::Tensor quant_pack(const at::Tensor& raw, int64_t qtype, const c10::optional<at::Tensor>& into);
 int64_t quant_packed_bytes(int64_t qtype, int64_t rows, int64_t k);
 bool quant_packs(int64_t qtype, const std::string& isa);
+void set_iq_grids(const std::vector<at::Tensor>& grids);
 bool quant_has_int_dot(int64_t qtype, const std::string& isa);
 at::Tensor quant_matmul(const at::Tensor& x, const std::vector<at::Tensor>& parts,
                         const std::vector<int64_t>& types, int64_t mode, const std::string& isa,

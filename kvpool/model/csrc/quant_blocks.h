@@ -29,7 +29,33 @@ enum QType : int {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
   kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23,
   kBF16 = 30,
+  // the grid formats (dequantized only: products of dequantized tiles)
+  kIQ2_XXS = 16, kIQ2_XS = 17, kIQ3_XXS = 18, kIQ1_S = 19, kIQ3_S = 21, kIQ2_S = 22, kIQ1_M = 29,
 };
+
+// The grid formats' tables (ggml's iq2xxs_grid, iq2xs_grid, iq2s_grid, iq3xxs_grid,
+// iq3s_grid, iq1s_grid), each row's values as floats (exact: IQ2's 8, 25, 43, IQ3's odd
+// values to 62, IQ1's -1, 0, 1), 8 a row (IQ3: 4), so a block's rows are vector loads;
+// ksigns: ggml's ksigns_iq2xs (7 sign bits and an eighth that makes their count even);
+// signs: for each byte, its 8 bits as +1.f / -1.f (bit j set: value j negated). Made once
+// by set_iq_grids (quant_ops.cpp) from the gguf package's tables; null until then, and
+// check_parts refuses these formats.
+struct IQGrids {
+  const float* iq2xxs = nullptr;  // [256][8]
+  const float* iq2xs = nullptr;   // [512][8]
+  const float* iq2s = nullptr;    // [1024][8]
+  const float* iq3xxs = nullptr;  // [256][4]
+  const float* iq3s = nullptr;    // [512][4]
+  const float* iq1s = nullptr;    // [2048][8]
+  const uint8_t* ksigns = nullptr;  // [128]
+  const float* signs = nullptr;     // [256][8]
+};
+const IQGrids& iq_grids();
+
+static KVP_ALWAYS_INLINE bool grid_type(int t) {
+  return t == kIQ2_XXS || t == kIQ2_XS || t == kIQ2_S || t == kIQ3_XXS || t == kIQ3_S ||
+         t == kIQ1_S || t == kIQ1_M;
+}
 
 // IQ4_NL's and IQ4_XS's 16 levels (a nibble picks one; ggml's kvalues_iq4nl): int8
 // values, so integer products take them as Q8_0's.
@@ -45,7 +71,8 @@ static KVP_ALWAYS_INLINE int iq4_xs_scale(const uint8_t* b, int j) {
 
 // Elements and bytes of one block.
 static KVP_ALWAYS_INLINE int block_elems(int t) {
-  return (t == kQ2_K || t == kQ3_K || t == kQ4_K || t == kQ5_K || t == kQ6_K || t == kIQ4_XS)
+  return (t == kQ2_K || t == kQ3_K || t == kQ4_K || t == kQ5_K || t == kQ6_K || t == kIQ4_XS ||
+          grid_type(t))
              ? 256
          : (t == kF32 || t == kF16 || t == kBF16) ? 1 : 32;
 }
@@ -65,6 +92,13 @@ static KVP_ALWAYS_INLINE int block_bytes(int t) {
     case kQ6_K: return 210;
     case kIQ4_NL: return 18;
     case kIQ4_XS: return 136;
+    case kIQ2_XXS: return 66;
+    case kIQ2_XS: return 74;
+    case kIQ2_S: return 82;
+    case kIQ3_XXS: return 98;
+    case kIQ3_S: return 110;
+    case kIQ1_S: return 50;
+    case kIQ1_M: return 56;
     default: return 0;
   }
 }
@@ -119,6 +153,121 @@ static KVP_ALWAYS_INLINE void q3_k_scales(const uint8_t* s, int8_t* out) {
     const int low = (i < 8 ? s[i] : s[i - 8] >> 4) & 0xF;
     const int high = (s[8 + (i % 4)] >> (2 * (i / 4))) & 3;
     out[i] = (int8_t)((low | (high << 4)) - 32);
+  }
+}
+
+// 8 values: scale times a grid row's, times the signs' (the gguf package's order of
+// products: each value's bits are its).
+static KVP_ALWAYS_INLINE void signed_grid8(const float* __restrict row, float scale,
+                                           const float* __restrict sign, float* __restrict y) {
+  for (int j = 0; j < 8; ++j) y[j] = scale * row[j] * sign[j];
+}
+
+// As signed_grid8 for two IQ3 rows of 4.
+static KVP_ALWAYS_INLINE void signed_grid4x2(const float* __restrict r0,
+                                             const float* __restrict r1, float scale,
+                                             const float* __restrict sign, float* __restrict y) {
+  for (int j = 0; j < 4; ++j) y[j] = scale * r0[j] * sign[j];
+  for (int j = 0; j < 4; ++j) y[4 + j] = scale * r1[j] * sign[4 + j];
+}
+
+// 8 IQ1 values: dl * (grid value + delta).
+static KVP_ALWAYS_INLINE void shifted_grid8(const float* __restrict row, float dl, float delta,
+                                            float* __restrict y) {
+  for (int j = 0; j < 8; ++j) y[j] = dl * (row[j] + delta);
+}
+
+// A grid format's block (ggml's dequantize_row_iq*), through iq_grids' tables. These
+// formats have no integer kernels: their products dequantize tiles.
+static KVP_ALWAYS_INLINE void dequantize_grid_block(int t, const uint8_t* b, float* y) {
+  const IQGrids& g = iq_grids();
+  switch (t) {
+    case kIQ2_XXS: {  // d, 8 x (4 grid bytes, 4 x 7 sign bits | a 4-bit scale << 28)
+      const float d = read_fp16(b);
+      for (int ib = 0; ib < 8; ++ib, y += 32) {
+        uint32_t aux[2];
+        memcpy(aux, b + 2 + 8 * ib, 8);
+        const float db = d * (0.5f + (float)(aux[1] >> 28)) * 0.25f;
+        for (int l = 0; l < 4; ++l)
+          signed_grid8(g.iq2xxs + 8 * ((aux[0] >> (8 * l)) & 255), db,
+                       g.signs + 8 * g.ksigns[(aux[1] >> (7 * l)) & 127], y + 8 * l);
+      }
+      return;
+    }
+    case kIQ2_XS: {  // d, qs[32] (9-bit grid row | 7 sign bits << 9), scales[8] (4 bits a 16)
+      const float d = read_fp16(b);
+      for (int i = 0; i < 32; ++i, y += 8) {
+        uint16_t q;
+        memcpy(&q, b + 2 + 2 * i, 2);
+        const int s = (b[66 + i / 4] >> (4 * ((i / 2) & 1))) & 15;
+        const float db = d * (0.5f + (float)s) * 0.25f;
+        signed_grid8(g.iq2xs + 8 * (q & 511), db, g.signs + 8 * g.ksigns[q >> 9], y);
+      }
+      return;
+    }
+    case kIQ2_S: {  // d, qs[32], signs[32], qh[8] (2 high bits a row), scales[8]
+      const float d = read_fp16(b);
+      for (int i = 0; i < 32; ++i, y += 8) {
+        const int row = b[2 + i] | ((b[66 + i / 4] >> (2 * (i % 4))) & 3) << 8;
+        const int s = (b[74 + i / 4] >> (4 * ((i / 2) & 1))) & 15;
+        const float db = d * (0.5f + (float)s) * 0.25f;
+        signed_grid8(g.iq2s + 8 * row, db, g.signs + 8 * b[34 + i], y);
+      }
+      return;
+    }
+    case kIQ3_XXS: {  // d, qs[64] (a grid row of 4 each), 8 x (4 x 7 sign bits | scale << 28)
+      const float d = read_fp16(b);
+      for (int ib = 0; ib < 8; ++ib) {
+        uint32_t aux;
+        memcpy(&aux, b + 66 + 4 * ib, 4);
+        const float db = d * (0.5f + (float)(aux >> 28)) * 0.5f;
+        for (int l = 0; l < 4; ++l, y += 8) {
+          const uint8_t* q = b + 2 + 8 * ib + 2 * l;
+          signed_grid4x2(g.iq3xxs + 4 * q[0], g.iq3xxs + 4 * q[1], db,
+                         g.signs + 8 * g.ksigns[(aux >> (7 * l)) & 127], y);
+        }
+      }
+      return;
+    }
+    case kIQ3_S: {  // d, qs[64], qh[8] (a high bit a row), signs[32], scales[4] (4 bits a 32)
+      const float d = read_fp16(b);
+      for (int i = 0; i < 32; ++i, y += 8) {  // values 8 i .. 8 i + 7: grid rows 2 i, 2 i + 1
+        const int high = b[66 + i / 4] >> (2 * (i % 4));
+        const int r0 = b[2 + 2 * i] | (high & 1) << 8, r1 = b[3 + 2 * i] | (high >> 1 & 1) << 8;
+        const int s = (b[106 + i / 8] >> (4 * ((i / 4) & 1))) & 15;
+        const float db = d * (float)(1 + 2 * s);
+        signed_grid4x2(g.iq3s + 4 * r0, g.iq3s + 4 * r1, db, g.signs + 8 * b[74 + i], y);
+      }
+      return;
+    }
+    case kIQ1_S: {  // d, qs[32], qh[8] as uint16 (3 high bits a row, a scale, delta's sign)
+      const float d = read_fp16(b);
+      for (int ib = 0; ib < 8; ++ib) {
+        uint16_t qh;
+        memcpy(&qh, b + 34 + 2 * ib, 2);
+        const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1);
+        const float delta = qh & 0x8000 ? -0.125f : 0.125f;
+        for (int l = 0; l < 4; ++l, y += 8)
+          shifted_grid8(g.iq1s + 8 * (b[2 + 4 * ib + l] | ((qh >> (3 * l)) & 7) << 8), dl,
+                        delta, y);
+      }
+      return;
+    }
+    case kIQ1_M: {  // qs[32], qh[16] (a nibble a row: 3 high bits, delta's sign), scales[8]
+      uint16_t sc[4];
+      memcpy(sc, b + 48, 8);
+      const uint16_t bits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00F0) |
+                                       ((sc[2] >> 4) & 0x0F00) | (sc[3] & 0xF000));
+      const float d = fp16_to_f32(bits);  // the block's scale, its 16 bits spread over four
+      for (int i = 0; i < 32; ++i, y += 8) {
+        const int s = (sc[i / 8] >> (3 * ((i / 2) % 4))) & 7;
+        const float dl = d * (float)(2 * s + 1);
+        const int h = (b[32 + i / 2] >> (4 * (i % 2))) & 15;
+        shifted_grid8(g.iq1s + 8 * (b[i] | (h & 7) << 8), dl, h & 8 ? -0.125f : 0.125f, y);
+      }
+      return;
+    }
+    default: return;
   }
 }
 
@@ -281,7 +430,7 @@ static KVP_ALWAYS_INLINE void dequantize_block(int t, const uint8_t* __restrict 
       }
       return;
     }
-    default: return;
+    default: dequantize_grid_block(t, b, y); return;  // the grid formats (or none)
   }
 }
 

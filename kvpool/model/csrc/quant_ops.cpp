@@ -72,6 +72,8 @@ std::vector<Part> check_parts(const std::vector<at::Tensor>& parts, const std::v
     TORCH_CHECK(kvp::known_type(t) && t != kvp::kF32 && t != kvp::kF16 && t != kvp::kBF16,
                 "part ", i, ": unsupported ggml type ", t);
     TORCH_CHECK(!packed || kvp::packable(t), "part ", i, ": type ", t, " has no packed layout");
+    TORCH_CHECK(!kvp::grid_type(t) || kvp::iq_grids().iq2xxs != nullptr, "part ", i,
+                ": type ", t, "'s grid was not handed over (set_iq_grids)");
     TORCH_CHECK(k % kvp::block_elems(t) == 0 && k % 32 == 0, "part ", i, ": K=", k,
                 " is not a whole number of blocks");
     const int64_t row_bytes = k / kvp::block_elems(t) * kvp::block_bytes(t);
@@ -151,6 +153,59 @@ int64_t gemm_tile_rows(int64_t rows) {
 }
 
 }  // namespace
+
+static kvp::IQGrids g_iq_grids;  // set once by set_iq_grids, before a grid format is read
+static std::vector<float> g_iq_floats;   // what g_iq_grids points at
+static std::vector<uint8_t> g_iq_ksigns;
+static std::vector<at::Tensor> g_iq_given;  // the tables handed over (a second call's check)
+
+namespace kvp {
+const IQGrids& iq_grids() { return g_iq_grids; }
+}  // namespace kvp
+
+void set_iq_grids(const std::vector<at::Tensor>& grids) {
+  static const int64_t shapes[6][2] = {{256, 8}, {512, 8}, {1024, 8},
+                                       {256, 4}, {512, 4}, {2048, 8}};
+  TORCH_CHECK(grids.size() == 6, "six grids: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S");
+  std::vector<at::Tensor> given;
+  for (size_t i = 0; i < 6; ++i) {
+    const at::Tensor& g = grids[i];
+    TORCH_CHECK(g.dim() == 2 && g.size(0) == shapes[i][0] && g.size(1) == shapes[i][1] &&
+                    g.scalar_type() == (i == 5 ? at::kChar : at::kByte),
+                "grid ", i, ": ", i == 5 ? "int8" : "uint8", " [", shapes[i][0], ", ",
+                shapes[i][1], "]");
+    given.push_back(g.contiguous().clone());
+  }
+  if (g_iq_grids.iq2xxs != nullptr) {  // once: a kernel may be reading the first ones
+    for (size_t i = 0; i < 6; ++i)
+      TORCH_CHECK(at::equal(given[i], g_iq_given[i]), "the grids were set to other values");
+    return;
+  }
+  g_iq_given = given;
+  size_t offsets[7] = {0};
+  for (size_t i = 0; i < 6; ++i) offsets[i + 1] = offsets[i] + given[i].numel();
+  g_iq_floats.assign(offsets[6] + 256 * 8, 0.f);
+  for (size_t i = 0; i < 6; ++i) {
+    const at::Tensor f = given[i].to(at::kFloat).contiguous();
+    std::copy(f.data_ptr<float>(), f.data_ptr<float>() + f.numel(), &g_iq_floats[offsets[i]]);
+  }
+  float* signs = &g_iq_floats[offsets[6]];
+  for (int byte = 0; byte < 256; ++byte)
+    for (int j = 0; j < 8; ++j) signs[8 * byte + j] = (byte >> j) & 1 ? -1.f : 1.f;
+  g_iq_ksigns.resize(128);
+  for (int i = 0; i < 128; ++i)
+    g_iq_ksigns[i] = static_cast<uint8_t>(i | (__builtin_popcount(i) & 1) << 7);
+  kvp::IQGrids g;
+  g.iq2xxs = &g_iq_floats[offsets[0]];
+  g.iq2xs = &g_iq_floats[offsets[1]];
+  g.iq2s = &g_iq_floats[offsets[2]];
+  g.iq3xxs = &g_iq_floats[offsets[3]];
+  g.iq3s = &g_iq_floats[offsets[4]];
+  g.iq1s = &g_iq_floats[offsets[5]];
+  g.ksigns = g_iq_ksigns.data();
+  g.signs = signs;
+  g_iq_grids = g;
+}
 
 std::vector<std::string> kernel_variants(bool built) {
   std::vector<std::string> names;
