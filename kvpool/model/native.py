@@ -255,8 +255,8 @@ def iq_grids() -> list:
     """The grid formats' tables (ggml's iq2xxs_grid, iq2xs_grid, iq2s_grid, iq3xxs_grid,
     iq3s_grid, iq1s_grid; IQ1_M shares IQ1_S's), as the gguf package decodes them: what
     the native module's ``set_iq_grids`` takes (uint8 rows of values; int8 for IQ1's -1,
-    0, 1). The module holds no copy of its own: these are the tables the package's
-    dequantizers read, which the tests compare the native ones with."""
+    0, 1). The module's source holds no tables of its own: it takes (and converts) the
+    ones the package's dequantizers read, which the tests compare the native ones with."""
     import numpy as np
     import torch
     from gguf import quants
