@@ -34,7 +34,7 @@ _UNQUANTIZED = (_F32, _F16, _BF16)
 # Q2_K .. Q6_K, IQ4_NL, IQ4_XS), or the grid formats (IQ2_XXS 16, IQ2_XS 17, IQ3_XXS 18,
 # IQ1_S 19, IQ3_S 21, IQ2_S 22, IQ1_M 29) as float products of tiles dequantized per
 # thread; any other quantized type (TQ1_0, TQ2_0) is dequantized at load.
-KEPT_QUANTIZED = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23, 16, 17, 18, 19, 21, 22, 29})
+KEPT_QUANTIZED = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 16, 17, 18, 19, 20, 21, 22, 23, 29})
 _EMBEDDING = "token_embd.weight"
 # Threads that dequantize the tensors not kept in their blocks (at most the CPU count)
 DEQUANTIZE_THREADS = 8

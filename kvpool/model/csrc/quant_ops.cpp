@@ -155,9 +155,8 @@ int64_t gemm_tile_rows(int64_t rows) {
 }  // namespace
 
 static kvp::IQGrids g_iq_grids;  // set once by set_iq_grids, before a grid format is read
-static std::vector<float> g_iq_floats;   // what g_iq_grids points at
+static std::vector<float> g_iq_floats;  // what g_iq_grids points at: the grids, then the signs
 static std::vector<uint8_t> g_iq_ksigns;
-static std::vector<at::Tensor> g_iq_given;  // the tables handed over (a second call's check)
 
 namespace kvp {
 const IQGrids& iq_grids() { return g_iq_grids; }
@@ -167,31 +166,28 @@ void set_iq_grids(const std::vector<at::Tensor>& grids) {
   static const int64_t shapes[6][2] = {{256, 8}, {512, 8}, {1024, 8},
                                        {256, 4}, {512, 4}, {2048, 8}};
   TORCH_CHECK(grids.size() == 6, "six grids: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S");
-  std::vector<at::Tensor> given;
+  size_t offsets[7] = {0};
   for (size_t i = 0; i < 6; ++i) {
     const at::Tensor& g = grids[i];
     TORCH_CHECK(g.dim() == 2 && g.size(0) == shapes[i][0] && g.size(1) == shapes[i][1] &&
                     g.scalar_type() == (i == 5 ? at::kChar : at::kByte),
                 "grid ", i, ": ", i == 5 ? "int8" : "uint8", " [", shapes[i][0], ", ",
                 shapes[i][1], "]");
-    given.push_back(g.contiguous().clone());
+    offsets[i + 1] = offsets[i] + g.numel();
   }
-  if (g_iq_grids.iq2xxs != nullptr) {  // once: a kernel may be reading the first ones
-    for (size_t i = 0; i < 6; ++i)
-      TORCH_CHECK(at::equal(given[i], g_iq_given[i]), "the grids were set to other values");
-    return;
-  }
-  g_iq_given = given;
-  size_t offsets[7] = {0};
-  for (size_t i = 0; i < 6; ++i) offsets[i + 1] = offsets[i] + given[i].numel();
-  g_iq_floats.assign(offsets[6] + 256 * 8, 0.f);
+  std::vector<float> floats(offsets[6] + 256 * 8);
   for (size_t i = 0; i < 6; ++i) {
-    const at::Tensor f = given[i].to(at::kFloat).contiguous();
-    std::copy(f.data_ptr<float>(), f.data_ptr<float>() + f.numel(), &g_iq_floats[offsets[i]]);
+    const at::Tensor f = grids[i].to(at::kFloat).contiguous();
+    std::copy(f.data_ptr<float>(), f.data_ptr<float>() + f.numel(), &floats[offsets[i]]);
   }
-  float* signs = &g_iq_floats[offsets[6]];
+  float* signs = &floats[offsets[6]];
   for (int byte = 0; byte < 256; ++byte)
     for (int j = 0; j < 8; ++j) signs[8 * byte + j] = (byte >> j) & 1 ? -1.f : 1.f;
+  if (g_iq_grids.iq2xxs != nullptr) {  // once: a kernel may be reading the first ones
+    TORCH_CHECK(floats == g_iq_floats, "the grids were set to other values");
+    return;
+  }
+  g_iq_floats = std::move(floats);
   g_iq_ksigns.resize(128);
   for (int i = 0; i < 128; ++i)
     g_iq_ksigns[i] = static_cast<uint8_t>(i | (__builtin_popcount(i) & 1) << 7);
@@ -203,7 +199,7 @@ void set_iq_grids(const std::vector<at::Tensor>& grids) {
   g.iq3s = &g_iq_floats[offsets[4]];
   g.iq1s = &g_iq_floats[offsets[5]];
   g.ksigns = g_iq_ksigns.data();
-  g.signs = signs;
+  g.signs = &g_iq_floats[offsets[6]];
   g_iq_grids = g;
 }
 
