@@ -23,6 +23,7 @@ X86_VARIANTS = VARIANTS[:4]  # one integer form: their products agree bit for bi
 INT8_TYPES = [
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
+    "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
 ]  # fmt: skip
 # int8 products against the float ones, one product of random data: share of the
 # largest output (measured: 0.4-1.2%)
@@ -88,6 +89,29 @@ def test_int8_products_are_row_invariant_and_equal_across_variants(qtype, varian
         assert torch.equal(ops.quant_matmul(x[i : i + 1], [raw], [tid], 0, variant)[0], batch[i])
     if variant in X86_VARIANTS:
         assert torch.equal(batch, ops.quant_matmul(x, [raw], [tid], 0, X86_VARIANTS[-1]))
+
+
+@pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
+@pytest.mark.parametrize("qtype", INT8_TYPES)
+def test_int8_products_of_exact_activations_equal_the_float_product(qtype, variant):
+    """Activations of +-1 quantize exactly (q = +-127), so an integer product must equal
+    the float product of the dequantized weights to float rounding: every value's
+    magnitude, sign and scale unpacked right (a 3% bound on random activations would miss
+    one group of 8 values with a wrong sign or grid row). Signs by position mod 2, 8, 16,
+    32, and random ones."""
+    tid = TYPES[qtype][0]
+    k = 512
+    raw = blocks(qtype, 20, k, seed=5)
+    rng = np.random.default_rng(11)
+    pos = np.arange(k)
+    signs = [np.ones(k), -np.ones(k)] + [
+        np.where(pos % (2 * p) < p, 1.0, -1.0) for p in (1, 4, 8, 16)
+    ]
+    signs += [rng.choice([-1.0, 1.0], k) for _ in range(3)]
+    x = torch.tensor(np.stack(signs), dtype=torch.float32)
+    want = x @ ops.quant_dequantize(raw, tid, k).T
+    got = ops.quant_matmul(x, [raw], [tid], 0, variant)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
 @pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])

@@ -7,9 +7,10 @@ Two kinds of product (``native.quant_matmul``):
   unpacked weight blocks, llama.cpp's method. Every output element is one row's dot
   product in a fixed order, so a row's result does not depend on the rest of the batch.
   Every variant has them for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
-  IQ4_NL and IQ4_XS (the generic variant in plain C++ that compilers vectorize: NEON on
-  aarch64); a format without them (the IQ1-IQ3 grid formats) is multiplied by
-  dequantized tiles one row at a time in this mode, which keeps that property.
+  IQ4_NL, IQ4_XS and the grid formats IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and
+  IQ3_S (their grid rows as bytes; the generic variant in plain C++ that compilers
+  vectorize: NEON on aarch64); a format without them would be multiplied by dequantized
+  tiles one row at a time in this mode, which keeps that property.
 - ``float``: weights dequantized tile by tile (per thread, never a whole matrix) and
   multiplied with float32 activations: what dequantizing the file gives, up to the
   order of the sums. The reference; exact comparisons (tests at float32) use it.

@@ -29,7 +29,7 @@ enum QType : int {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8,
   kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23,
   kBF16 = 30,
-  // the grid formats (dequantized only: products of dequantized tiles)
+  // the grid formats (integer products from their grids' bytes, IQGrids)
   kIQ2_XXS = 16, kIQ2_XS = 17, kIQ3_XXS = 18, kIQ1_S = 19, kIQ3_S = 21, kIQ2_S = 22, kIQ1_M = 29,
 };
 
@@ -37,9 +37,13 @@ enum QType : int {
 // iq3s_grid, iq1s_grid), each row's values as floats (exact: IQ2's 8, 25, 43, IQ3's odd
 // values to 62, IQ1's -1, 0, 1), 8 a row (IQ3: 4), so a block's rows are vector loads;
 // ksigns: ggml's ksigns_iq2xs (7 sign bits and an eighth that makes their count even);
-// signs: for each byte, its 8 bits as +1.f / -1.f (bit j set: value j negated). Made once
-// by set_iq_grids (quant_ops.cpp) from the gguf package's tables; null until then, and
-// check_parts refuses these formats.
+// signs: for each byte, its 8 bits as +1.f / -1.f (bit j set: value j negated).
+// The *_b tables hold the same rows as bytes for the integer products (a row's 8 bytes,
+// IQ3's 4, one load): IQ2's and IQ3's values as they are, IQ1's times 8 (-8, 0, 8: with
+// its delta of +-1/8, 8 times an IQ1 value is an integer); sign_b: for each byte, its 8
+// bits as int8 +1 / -1 (0xFF).
+// Made once by set_iq_grids (quant_ops.cpp) from the gguf package's tables; null until
+// then, and check_parts refuses these formats.
 struct IQGrids {
   const float* iq2xxs = nullptr;  // [256][8]
   const float* iq2xs = nullptr;   // [512][8]
@@ -49,8 +53,17 @@ struct IQGrids {
   const float* iq1s = nullptr;    // [2048][8]
   const uint8_t* ksigns = nullptr;  // [128]
   const float* signs = nullptr;     // [256][8]
+  const uint8_t* iq2xxs_b = nullptr;  // [256][8]
+  const uint8_t* iq2xs_b = nullptr;   // [512][8]
+  const uint8_t* iq2s_b = nullptr;    // [1024][8]
+  const uint8_t* iq3xxs_b = nullptr;  // [256][4]
+  const uint8_t* iq3s_b = nullptr;    // [512][4]
+  const int8_t* iq1s_b = nullptr;     // [2048][8], times 8
+  const int8_t* sign_b = nullptr;     // [256][8]
 };
-const IQGrids& iq_grids();
+// The one set of tables (quant_ops.cpp), read directly: the kernels ask for it per block.
+extern IQGrids g_iq_grids;
+static KVP_ALWAYS_INLINE const IQGrids& iq_grids() { return g_iq_grids; }
 
 static KVP_ALWAYS_INLINE bool grid_type(int t) {
   return t == kIQ2_XXS || t == kIQ2_XS || t == kIQ2_S || t == kIQ3_XXS || t == kIQ3_S ||
@@ -177,8 +190,7 @@ static KVP_ALWAYS_INLINE void shifted_grid8(const float* __restrict row, float d
   for (int j = 0; j < 8; ++j) y[j] = dl * (row[j] + delta);
 }
 
-// A grid format's block (ggml's dequantize_row_iq*), through iq_grids' tables. These
-// formats have no integer kernels: their products dequantize tiles.
+// A grid format's block (ggml's dequantize_row_iq*), through iq_grids' tables.
 static KVP_ALWAYS_INLINE void dequantize_grid_block(int t, const uint8_t* b, float* y) {
   const IQGrids& g = iq_grids();
   switch (t) {

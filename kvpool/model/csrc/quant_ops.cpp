@@ -154,13 +154,11 @@ int64_t gemm_tile_rows(int64_t rows) {
 
 }  // namespace
 
-static kvp::IQGrids g_iq_grids;  // set once by set_iq_grids, before a grid format is read
-static std::vector<float> g_iq_floats;  // what g_iq_grids points at: the grids, then the signs
-static std::vector<uint8_t> g_iq_ksigns;
-
 namespace kvp {
-const IQGrids& iq_grids() { return g_iq_grids; }
+IQGrids g_iq_grids;  // set once by set_iq_grids, before a grid format is read
 }  // namespace kvp
+static std::vector<float> g_iq_floats;  // what g_iq_grids points at: the grids, then the signs
+static std::vector<uint8_t> g_iq_bytes;  // the same as bytes (IQGrids' *_b), then ksigns
 
 void set_iq_grids(const std::vector<at::Tensor>& grids) {
   static const int64_t shapes[6][2] = {{256, 8}, {512, 8}, {1024, 8},
@@ -183,14 +181,20 @@ void set_iq_grids(const std::vector<at::Tensor>& grids) {
   float* signs = &floats[offsets[6]];
   for (int byte = 0; byte < 256; ++byte)
     for (int j = 0; j < 8; ++j) signs[8 * byte + j] = (byte >> j) & 1 ? -1.f : 1.f;
-  if (g_iq_grids.iq2xxs != nullptr) {  // once: a kernel may be reading the first ones
+  if (kvp::g_iq_grids.iq2xxs != nullptr) {  // once: a kernel may be reading the first ones
     TORCH_CHECK(floats == g_iq_floats, "the grids were set to other values");
     return;
   }
   g_iq_floats = std::move(floats);
-  g_iq_ksigns.resize(128);
+  // bytes: the grids (IQ1's times 8), the signs as int8, ksigns
+  g_iq_bytes.resize(offsets[6] + 256 * 8 + 128);
+  for (size_t i = 0; i < offsets[6] + 256 * 8; ++i) {
+    const int v = static_cast<int>(g_iq_floats[i]) * (i >= offsets[5] && i < offsets[6] ? 8 : 1);
+    g_iq_bytes[i] = static_cast<uint8_t>(static_cast<int8_t>(v));
+  }
+  uint8_t* ksigns = &g_iq_bytes[offsets[6] + 256 * 8];
   for (int i = 0; i < 128; ++i)
-    g_iq_ksigns[i] = static_cast<uint8_t>(i | (__builtin_popcount(i) & 1) << 7);
+    ksigns[i] = static_cast<uint8_t>(i | (__builtin_popcount(i) & 1) << 7);
   kvp::IQGrids g;
   g.iq2xxs = &g_iq_floats[offsets[0]];
   g.iq2xs = &g_iq_floats[offsets[1]];
@@ -198,9 +202,16 @@ void set_iq_grids(const std::vector<at::Tensor>& grids) {
   g.iq3xxs = &g_iq_floats[offsets[3]];
   g.iq3s = &g_iq_floats[offsets[4]];
   g.iq1s = &g_iq_floats[offsets[5]];
-  g.ksigns = g_iq_ksigns.data();
+  g.ksigns = ksigns;
   g.signs = &g_iq_floats[offsets[6]];
-  g_iq_grids = g;
+  g.iq2xxs_b = &g_iq_bytes[offsets[0]];
+  g.iq2xs_b = &g_iq_bytes[offsets[1]];
+  g.iq2s_b = &g_iq_bytes[offsets[2]];
+  g.iq3xxs_b = &g_iq_bytes[offsets[3]];
+  g.iq3s_b = &g_iq_bytes[offsets[4]];
+  g.iq1s_b = reinterpret_cast<const int8_t*>(&g_iq_bytes[offsets[5]]);
+  g.sign_b = reinterpret_cast<const int8_t*>(&g_iq_bytes[offsets[6]]);
+  kvp::g_iq_grids = g;
 }
 
 std::vector<std::string> kernel_variants(bool built) {
