@@ -41,7 +41,8 @@ enum QType : int {
 // The *_b tables hold the same rows as bytes for the integer products (a row's 8 bytes,
 // IQ3's 4, one load): IQ2's and IQ3's values as they are, IQ1's times 8 (-8, 0, 8: with
 // its delta of +-1/8, 8 times an IQ1 value is an integer); sign_b: for each byte, its 8
-// bits as int8 +1 / -1 (0xFF).
+// bits as int8 +1 / -1 (0xFF); ksign_b: sign_b's row of ksigns[i] for each 7 bits i (one
+// load where a format stores 7 sign bits).
 // Made once by set_iq_grids (quant_ops.cpp) from the gguf package's tables; null until
 // then, and check_parts refuses these formats.
 struct IQGrids {
@@ -60,6 +61,7 @@ struct IQGrids {
   const uint8_t* iq3s_b = nullptr;    // [512][4]
   const int8_t* iq1s_b = nullptr;     // [2048][8], times 8
   const int8_t* sign_b = nullptr;     // [256][8]
+  const int8_t* ksign_b = nullptr;    // [128][8]
 };
 // The one set of tables (quant_ops.cpp), read directly: the kernels ask for it per block.
 extern IQGrids g_iq_grids;

@@ -186,8 +186,8 @@ void set_iq_grids(const std::vector<at::Tensor>& grids) {
     return;
   }
   g_iq_floats = std::move(floats);
-  // bytes: the grids (IQ1's times 8), the signs as int8, ksigns
-  g_iq_bytes.resize(offsets[6] + 256 * 8 + 128);
+  // bytes: the grids (IQ1's times 8), the signs as int8, ksigns, the signs of ksigns
+  g_iq_bytes.resize(offsets[6] + 256 * 8 + 128 + 128 * 8);
   for (size_t i = 0; i < offsets[6] + 256 * 8; ++i) {
     const int v = static_cast<int>(g_iq_floats[i]) * (i >= offsets[5] && i < offsets[6] ? 8 : 1);
     g_iq_bytes[i] = static_cast<uint8_t>(static_cast<int8_t>(v));
@@ -195,6 +195,9 @@ void set_iq_grids(const std::vector<at::Tensor>& grids) {
   uint8_t* ksigns = &g_iq_bytes[offsets[6] + 256 * 8];
   for (int i = 0; i < 128; ++i)
     ksigns[i] = static_cast<uint8_t>(i | (__builtin_popcount(i) & 1) << 7);
+  uint8_t* ksign_rows = ksigns + 128;
+  for (int i = 0; i < 128; ++i)
+    std::copy_n(&g_iq_bytes[offsets[6] + 8 * ksigns[i]], 8, ksign_rows + 8 * i);
   kvp::IQGrids g;
   g.iq2xxs = &g_iq_floats[offsets[0]];
   g.iq2xs = &g_iq_floats[offsets[1]];
@@ -211,6 +214,7 @@ void set_iq_grids(const std::vector<at::Tensor>& grids) {
   g.iq3s_b = &g_iq_bytes[offsets[4]];
   g.iq1s_b = reinterpret_cast<const int8_t*>(&g_iq_bytes[offsets[5]]);
   g.sign_b = reinterpret_cast<const int8_t*>(&g_iq_bytes[offsets[6]]);
+  g.ksign_b = reinterpret_cast<const int8_t*>(ksign_rows);
   kvp::g_iq_grids = g;
 }
 
