@@ -158,7 +158,7 @@ namespace kvp {
 IQGrids g_iq_grids;  // set once by set_iq_grids, before a grid format is read
 }  // namespace kvp
 static std::vector<float> g_iq_floats;  // what g_iq_grids points at: the grids, then the signs
-static std::vector<uint8_t> g_iq_bytes;  // the same as bytes (IQGrids' *_b), then ksigns
+static std::vector<uint8_t> g_iq_bytes;  // as bytes (IQGrids' *_b), ksigns, ksign_b
 
 void set_iq_grids(const std::vector<at::Tensor>& grids) {
   static const int64_t shapes[6][2] = {{256, 8}, {512, 8}, {1024, 8},
