@@ -34,8 +34,9 @@ enum QType : int {
 };
 
 // The grid formats' tables (ggml's iq2xxs_grid, iq2xs_grid, iq2s_grid, iq3xxs_grid,
-// iq3s_grid, iq1s_grid), each row's values as floats (exact: IQ2's 8, 25, 43, IQ3's odd
-// values to 62, IQ1's -1, 0, 1), 8 a row (IQ3: 4), so a block's rows are vector loads;
+// iq3s_grid), each row's values as floats (exact: IQ2's 8, 25, 43, IQ3's odd values to
+// 62), 8 a row (IQ3: 4), so a block's rows are vector loads (IQ1's iq1s_grid only as
+// bytes, below: 64 KiB as floats);
 // ksigns: ggml's ksigns_iq2xs (7 sign bits and an eighth that makes their count even);
 // signs: for each byte, its 8 bits as +1.f / -1.f (bit j set: value j negated).
 // The *_b tables hold the same rows as bytes for the integer products (a row's 8 bytes,
@@ -51,7 +52,6 @@ struct IQGrids {
   const float* iq2s = nullptr;    // [1024][8]
   const float* iq3xxs = nullptr;  // [256][4]
   const float* iq3s = nullptr;    // [512][4]
-  const float* iq1s = nullptr;    // [2048][8]
   const uint8_t* ksigns = nullptr;  // [128]
   const float* signs = nullptr;     // [256][8]
   const uint8_t* iq2xxs_b = nullptr;  // [256][8]
@@ -186,10 +186,14 @@ static KVP_ALWAYS_INLINE void signed_grid4x2(const float* __restrict r0,
   for (int j = 0; j < 4; ++j) y[4 + j] = scale * r1[j] * sign[4 + j];
 }
 
-// 8 IQ1 values: dl * (grid value + delta).
-static KVP_ALWAYS_INLINE void shifted_grid8(const float* __restrict row, float dl, float delta,
+// 8 IQ1 values: dl * (grid value + delta), from the byte rows (8 x value; delta8 = 8 x
+// delta, +-1): dl / 8 times the integer, the same exact product (dl / 8 is exact), so the
+// same rounding. IQ1's float rows (2,048 x 32 bytes) overflowed a core's L1: 2.5-3x the
+// time of these (docs/performance.md).
+static KVP_ALWAYS_INLINE void shifted_grid8(const int8_t* __restrict row8, float dl, int delta8,
                                             float* __restrict y) {
-  for (int j = 0; j < 8; ++j) y[j] = dl * (row[j] + delta);
+  const float d8 = dl * 0.125f;
+  for (int j = 0; j < 8; ++j) y[j] = d8 * (float)(row8[j] + delta8);
 }
 
 // A grid format's block (ggml's dequantize_row_iq*), through iq_grids' tables.
@@ -260,9 +264,9 @@ static KVP_ALWAYS_INLINE void dequantize_grid_block(int t, const uint8_t* b, flo
         uint16_t qh;
         memcpy(&qh, b + 34 + 2 * ib, 2);
         const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1);
-        const float delta = qh & 0x8000 ? -0.125f : 0.125f;
+        const int delta = qh & 0x8000 ? -1 : 1;
         for (int l = 0; l < 4; ++l, y += 8)
-          shifted_grid8(g.iq1s + 8 * (b[2 + 4 * ib + l] | ((qh >> (3 * l)) & 7) << 8), dl,
+          shifted_grid8(g.iq1s_b + 8 * (b[2 + 4 * ib + l] | ((qh >> (3 * l)) & 7) << 8), dl,
                         delta, y);
       }
       return;
@@ -277,7 +281,7 @@ static KVP_ALWAYS_INLINE void dequantize_grid_block(int t, const uint8_t* b, flo
         const int s = (sc[i / 8] >> (3 * ((i / 2) % 4))) & 7;
         const float dl = d * (float)(2 * s + 1);
         const int h = (b[32 + i / 2] >> (4 * (i % 2))) & 15;
-        shifted_grid8(g.iq1s + 8 * (b[i] | (h & 7) << 8), dl, h & 8 ? -0.125f : 0.125f, y);
+        shifted_grid8(g.iq1s_b + 8 * (b[i] | (h & 7) << 8), dl, h & 8 ? -1 : 1, y);
       }
       return;
     }

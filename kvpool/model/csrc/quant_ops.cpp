@@ -204,7 +204,6 @@ void set_iq_grids(const std::vector<at::Tensor>& grids) {
   g.iq2s = &g_iq_floats[offsets[2]];
   g.iq3xxs = &g_iq_floats[offsets[3]];
   g.iq3s = &g_iq_floats[offsets[4]];
-  g.iq1s = &g_iq_floats[offsets[5]];
   g.ksigns = ksigns;
   g.signs = &g_iq_floats[offsets[6]];
   g.iq2xxs_b = &g_iq_bytes[offsets[0]];
