@@ -137,6 +137,14 @@ static KVP_ALWAYS_INLINE float read_fp16(const uint8_t* p) {
   memcpy(&h, p, 2);
   return fp16_to_f32(h);
 }
+// An IQ1_M block's scale d: an fp16 whose 16 bits are the top nibbles of its four
+// uint16 scale words (scales[8] at byte 48; their low 12 bits: four 3-bit sub-scales).
+static KVP_ALWAYS_INLINE float iq1_m_scale(const uint8_t* b) {
+  uint16_t sc[4];
+  memcpy(sc, b + 48, 8);
+  return fp16_to_f32((uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00F0) |
+                                ((sc[2] >> 4) & 0x0F00) | (sc[3] & 0xF000)));
+}
 static KVP_ALWAYS_INLINE float bf16_to_f32(uint16_t h) {
   const uint32_t bits = (uint32_t)h << 16;
   float f;
@@ -274,9 +282,7 @@ static KVP_ALWAYS_INLINE void dequantize_grid_block(int t, const uint8_t* b, flo
     case kIQ1_M: {  // qs[32], qh[16] (a nibble a row: 3 high bits, delta's sign), scales[8]
       uint16_t sc[4];
       memcpy(sc, b + 48, 8);
-      const uint16_t bits = (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0x00F0) |
-                                       ((sc[2] >> 4) & 0x0F00) | (sc[3] & 0xF000));
-      const float d = fp16_to_f32(bits);  // the block's scale, its 16 bits spread over four
+      const float d = iq1_m_scale(b);
       for (int i = 0; i < 32; ++i, y += 8) {
         const int s = (sc[i / 8] >> (3 * ((i / 2) % 4))) & 7;
         const float dl = d * (float)(2 * s + 1);
