@@ -12,20 +12,23 @@ import pytest
 pytest.importorskip("torch")
 
 from kvpool.model import products
-from kvpool.model.products import BF16_TILES, INT8, calibrate
+from kvpool.model.products import BF16_TILES, GROUPED, INT8, calibrate
 
 
 class ScriptedProducts:
     """``quant_matmul`` whose calls advance a clock by ``cost(rows, mode, call)``, ``call``
-    counting that size and mode's calls from 0; ``perf_counter`` reads the clock."""
+    counting that size and kind's calls from 0 (``GROUPED`` apart: ``modes`` keeps every
+    mode asked for); ``perf_counter`` reads the clock."""
 
     def __init__(self, cost):
-        self.cost, self.now, self.calls = cost, 0.0, {}
+        self.cost, self.now, self.calls, self.modes = cost, 0.0, {}, set()
 
     def perf_counter(self) -> float:
         return self.now
 
     def quant_matmul(self, x, raws, types, mode, variant):
+        self.modes.add(mode)
+        mode &= ~GROUPED
         key = (x.shape[0], mode)
         call = self.calls.get(key, 0)
         self.calls[key] = call + 1
@@ -37,7 +40,11 @@ def _calibrate(monkeypatch, cost) -> tuple[int | None, dict]:
     monkeypatch.setattr(products, "native_ops", lambda: script)
     monkeypatch.setattr(products, "time", script)
     linear = SimpleNamespace(raws=[], types=[], cols=64, policy=SimpleNamespace(variant=""))
-    return calibrate(linear, BF16_TILES), script.calls
+    crossover = calibrate(linear, BF16_TILES)
+    # int8 measured with its fastest kernels: those for many rows where the kernels have
+    # them (GROUPED), as every step but a batch-invariant model's takes them
+    assert script.modes == {INT8 | GROUPED, BF16_TILES}
+    return crossover, script.calls
 
 
 def steady(rows: int, mode: int, call: int) -> float:

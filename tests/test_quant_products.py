@@ -79,14 +79,19 @@ def test_int8_products_are_row_invariant_and_equal_across_variants(qtype, varian
     """Each output row is its activation row's dot products alone, in a fixed order: a
     batch of 37 rows gives, bit for bit, each row computed alone (and the integer sums
     make every x86 variant agree; the plain C++ of the generic and aarch64 variants sums
-    its units in another order of floats)."""
+    its units in another order of floats). The grid formats on AVX-512 take 8 weight rows
+    at once in steps of 12 rows or more (grid_group_dot: 27 weight rows, three groups and 3
+    rows left to the row kernel), with the row kernel's float steps: the same bits at every
+    batch size and on every x86 variant."""
     tid = TYPES[qtype][0]
     assert ops.quant_has_int_dot(tid, variant)
-    raw = blocks(qtype, 24, 768)
+    raw = blocks(qtype, 27, 768)
     x = torch.randn(37, 768, generator=torch.Generator().manual_seed(1))
     batch = ops.quant_matmul(x, [raw], [tid], 0, variant)
     for i in (0, 3, 4, 17, 36):
         assert torch.equal(ops.quant_matmul(x[i : i + 1], [raw], [tid], 0, variant)[0], batch[i])
+    for n in (2, 3, 9, 30):  # passes of 8, 4 and of the 1 to 3 rows left
+        assert torch.equal(ops.quant_matmul(x[:n], [raw], [tid], 0, variant), batch[:n])
     if variant in X86_VARIANTS:
         assert torch.equal(batch, ops.quant_matmul(x, [raw], [tid], 0, X86_VARIANTS[-1]))
 
@@ -114,6 +119,51 @@ def test_int8_products_of_exact_activations_equal_the_float_product(qtype, varia
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
+GRID_TYPES = ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"]
+
+
+@pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
+@pytest.mark.parametrize("qtype", GRID_TYPES)
+def test_grouped_products_of_many_rows(qtype, variant):
+    """``GROUPED`` lets a kernel for many rows take steps of many: AVX-512's grid formats,
+    16 or 8 weight rows at a time from 5 activation rows (grid_group_dot); the other
+    variants' row kernels ignore it. Its integer sums are exact, its float steps its own
+    (each unit into one accumulator, not 8 lanes summed at the end): near the row
+    kernel's results, equal to the float product for exact activations, and a row's
+    result the same at any number of rows from 5, in either width (27 weight rows: 16,
+    then 8, then 3 for the row kernel; and the same from row 8 on: 16, then 3), bit for
+    bit on every AVX-512 variant; below 5 rows, and for the rows past the last group of 8,
+    the row kernel's."""
+    from kvpool.model.products import GROUPED
+
+    tid = TYPES[qtype][0]
+    raw = blocks(qtype, 27, 768, seed=7)
+    x = torch.randn(37, 768, generator=torch.Generator().manual_seed(7))
+    rows = ops.quant_matmul(x, [raw], [tid], 0, variant)
+    grouped = ops.quant_matmul(x, [raw], [tid], GROUPED, variant)
+    assert (grouped - rows).abs().max().item() <= 1e-5 * rows.abs().max().item()
+    for n in (5, 12, 20):
+        assert torch.equal(ops.quant_matmul(x[:n], [raw], [tid], GROUPED, variant), grouped[:n])
+    assert torch.equal(ops.quant_matmul(x[:4], [raw], [tid], GROUPED, variant), rows[:4])
+    assert torch.equal(grouped[:, 24:], rows[:, 24:])
+    shifted = ops.quant_matmul(x, [raw[8:]], [tid], GROUPED, variant)  # rows 8-23: one 16
+    assert torch.equal(shifted[:, :16], grouped[:, 8:24])
+    group_kernel = variant.startswith("avx512")
+    assert bool((grouped[:, :24] != rows[:, :24]).any()) == group_kernel
+    if group_kernel:
+        other = ops.quant_matmul(x, [raw], [tid], GROUPED, "avx512-vnni")
+        assert torch.equal(grouped, other)
+    k = 768
+    pos = np.arange(k)
+    signs = [np.where(pos % (2 * p) < p, 1.0, -1.0) for p in (1, 2, 4, 8, 16, 32)]
+    rng = np.random.default_rng(12)
+    signs += [np.ones(k), -np.ones(k)] + [rng.choice([-1.0, 1.0], k) for _ in range(6)]
+    exact = torch.tensor(np.stack(signs), dtype=torch.float32)  # 14 rows: grid_group_dot
+    want = exact @ ops.quant_dequantize(raw, tid, k).T
+    got = ops.quant_matmul(exact, [raw], [tid], GROUPED, variant)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
 @pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
 def test_parts_in_the_files_layout_take_their_own_kind_of_product(variant):
     """mode's bits 2-3 (one more than a kind) give the parts kept in the file's layout
@@ -129,29 +179,33 @@ def test_parts_in_the_files_layout_take_their_own_kind_of_product(variant):
             for raw, tid in zip(raws, tids, strict=True)
         ]
         assert torch.equal(mixed, torch.cat(alone, 1)), (packed_kind, file_kind)
-    for bad in (3, 64, 3 | 1 << 2, 3 << 4):  # kinds 0-2; file kinds 1-3; one_row 0-2
+    for bad in (3, 128, 3 | 1 << 2, 3 << 4):  # kinds 0-2; file kinds 1-3; one_row 0-2; bit 6
         with pytest.raises(RuntimeError, match="mode"):
             ops.quant_matmul(x, raws, tids, bad, variant)
 
 
 def test_a_policy_with_a_crossover_for_the_files_layout_encodes_both_kinds():
-    from kvpool.model.products import BF16_TILES, FLOAT, INT8, ProductPolicy
+    from kvpool.model.products import BF16_TILES, FLOAT, GROUPED, INT8, ProductPolicy
 
     both = ProductPolicy(int8_max_rows=128, tiles=BF16_TILES)
-    assert [both.mode(rows) for rows in (1, 32, 200)] == [INT8, INT8, BF16_TILES]
+    modes = [both.mode(rows) for rows in (1, 32, 200)]
+    assert modes == [INT8 | GROUPED, INT8 | GROUPED, BF16_TILES | GROUPED]
     both.file_crossover, both.file_int8_max_rows = True, 8
-    assert both.mode(8) == INT8 | (1 + INT8) << 2
-    assert both.mode(32) == INT8 | (1 + BF16_TILES) << 2
-    assert both.mode(200) == BF16_TILES | (1 + BF16_TILES) << 2
+    assert both.mode(8) == INT8 | (1 + INT8) << 2 | GROUPED
+    assert both.mode(32) == INT8 | (1 + BF16_TILES) << 2 | GROUPED
+    assert both.mode(200) == BF16_TILES | (1 + BF16_TILES) << 2 | GROUPED
     assert "in the file's layout: int8 products up to 8 rows, bf16 tiles above" in both.describe()
     both.one_row, both.one_row_ms = ONE_ROW_NARROW, (4.5, 3.25)
-    assert both.mode(1) == INT8 | (1 + INT8) << 2 | ONE_ROW_NARROW << 4
-    assert both.mode(200) == BF16_TILES | (1 + BF16_TILES) << 2 | ONE_ROW_NARROW << 4
+    assert both.mode(1) == INT8 | (1 + INT8) << 2 | ONE_ROW_NARROW << 4 | GROUPED
+    assert both.mode(200) == BF16_TILES | (1 + BF16_TILES) << 2 | ONE_ROW_NARROW << 4 | GROUPED
     assert "one row in 256-bit vectors (batch-1 step 4.5 ms in 512-bit, 3.2 in 256-bit)" in (
         both.describe()
     )
     both.exact = True
     assert both.mode(32) == FLOAT
+    # batch-invariant: int8 at every size, each row's order of sums the same at any size
+    fixed = ProductPolicy(fixed=True)
+    assert [fixed.mode(rows) for rows in (1, 32, 200)] == [INT8, INT8, INT8]
 
 
 def test_a_single_rows_kernel_is_measured_where_there_are_two_or_set(monkeypatch):

@@ -5,7 +5,9 @@ Two kinds of product (``native.quant_matmul``):
 
 - ``int8``: activations quantized to int8 per block of 32, integer dot products with the
   unpacked weight blocks, llama.cpp's method. Every output element is one row's dot
-  product in a fixed order, so a row's result does not depend on the rest of the batch.
+  product in a fixed order, so a row's result does not depend on the rest of the batch
+  (except where ``GROUPED`` lets a kernel for many rows take steps of many: not in
+  batch-invariant products).
   Every variant has them for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
   IQ4_NL, IQ4_XS and the grid formats IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and
   IQ3_S (their grid rows as bytes; the generic variant in plain C++ that compilers
@@ -33,6 +35,10 @@ from kvpool.model.gguf_weights import PACKED, QuantizedMatrix
 from kvpool.model.native import native_ops
 
 INT8, FLOAT, BF16_TILES = 0, 1, 2  # quant_matmul's modes
+# (quant_matmul's mode, bit 6) integer products may take kernels for many rows whose order
+# of sums differs from a single row's: AVX-512's grid formats (IQ1-IQ3) 16 weight rows at
+# a time from 5 rows (docs/performance.md); never in batch-invariant products
+GROUPED = 64
 # The packed kernel for a single activation row (quant_matmul's mode, 16 x): the kernels'
 # own choice, AVX-512's pair of groups in 512-bit vectors, or one group in 256-bit ones
 ONE_ROW_OWN, ONE_ROW_WIDE, ONE_ROW_NARROW = 0, 1, 2
@@ -42,7 +48,8 @@ ONE_ROW_OWN, ONE_ROW_WIDE, ONE_ROW_NARROW = 0, 1, 2
 class ProductPolicy:
     """Which product a step of ``rows`` rows takes. ``exact``: float products always
     (the float32 reference). Otherwise ``int8`` up to ``int8_max_rows`` rows (None: at
-    every size, which also makes every product batch-invariant), and ``tiles`` above:
+    every size; with ``fixed`` every product is then batch-invariant, the kernels' order of
+    sums the same at every step size: ``GROUPED`` off), and ``tiles`` above:
     ``FLOAT``, or ``BF16_TILES`` where the CPU has bf16 products in hardware.
 
     ``file_int8_max_rows``, where ``file_crossover``: the crossover of the matrices kept
@@ -73,12 +80,14 @@ class ProductPolicy:
     def mode(self, rows: int) -> int:
         """quant_matmul's mode: the kind of product (``INT8``, ``FLOAT``, ``BF16_TILES``),
         plus 4 x (1 + the kind for the file's layout) where that has its own crossover,
-        plus 16 x ``one_row``."""
+        plus 16 x ``one_row``, plus ``GROUPED`` unless ``fixed``."""
         if self.exact:
             return FLOAT
         mode = self._kind(rows, self.int8_max_rows)
         if self.file_crossover:
             mode |= (1 + self._kind(rows, self.file_int8_max_rows)) << 2
+        if not self.fixed:
+            mode |= GROUPED
         # (for any number of rows: a mixture of experts' product may give an expert one)
         return mode | self.one_row << 4
 
@@ -203,7 +212,8 @@ def calibrate(
         for _ in range(3):
             for mode in elapsed:
                 start = time.perf_counter()
-                ops.quant_matmul(x, linear.raws, linear.types, mode, linear.policy.variant)
+                kind = mode | GROUPED if mode == INT8 else mode  # (int8's fastest kernels)
+                ops.quant_matmul(x, linear.raws, linear.types, kind, linear.policy.variant)
                 elapsed[mode] = min(elapsed[mode], time.perf_counter() - start)
         return elapsed[INT8] <= elapsed[tiles]
 

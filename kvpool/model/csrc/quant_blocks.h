@@ -67,7 +67,7 @@ struct IQGrids {
 extern IQGrids g_iq_grids;
 static KVP_ALWAYS_INLINE const IQGrids& iq_grids() { return g_iq_grids; }
 
-static KVP_ALWAYS_INLINE bool grid_type(int t) {
+static KVP_ALWAYS_INLINE constexpr bool grid_type(int t) {
   return t == kIQ2_XXS || t == kIQ2_XS || t == kIQ2_S || t == kIQ3_XXS || t == kIQ3_S ||
          t == kIQ1_S || t == kIQ1_M;
 }

@@ -92,15 +92,19 @@ struct QuantKernels {
   // Does this table have integer products for ggml type t?
   bool (*has_int_dot)(int t);
   // y[r * ldy + n] = dot(weight row n, activation row r) for n in [0, n_rows) and r in
-  // [0, m): weight rows of type t are row_bytes apart, activations quantized.
+  // [0, m): weight rows of type t are row_bytes apart, activations quantized. Each output
+  // is one row's sum in an order that does not depend on m, unless `grouped`: then a
+  // kernel for many rows with an order of its own may take steps of many (AVX-512's grid
+  // formats, grid_group_dot, starting its sums at off6: sums_from_offsets).
   void (*int_dot)(int t, const uint8_t* w, int64_t row_bytes, int64_t n_rows, const Q8Rows* a,
-                  int64_t m, float* y, int64_t ldy);
+                  int64_t m, float* y, int64_t ldy, bool grouped);
   // out[i * k ...] = weight rows [0, n_rows) of type t dequantized to floats.
   void (*dequantize_rows)(int t, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k,
                           float* out);
   // Does this table multiply the packed layout (quant_packed.h) of ggml type t?
   bool (*has_packed_dot)(int t);
-  // Does its packed_dot of type t start its integer sums from Q8Rows' off4 / off6?
+  // Does its packed_dot of type t start its integer sums from Q8Rows' off4 / off6? (And
+  // for the grid formats, kept in the file's layout: its int_dot where `grouped`.)
   bool (*sums_from_offsets)(int t);
   // off4 and off6 of m quantized rows (ldq apart) in this table's layout
   // (offsets_as_lane_pairs or offsets_whole).

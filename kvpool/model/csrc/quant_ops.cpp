@@ -329,15 +329,19 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   // mode: bits 0-1 the product's kind (0 integer, 1 float, 2 bf16 tiles); bits 2-3, where
   // set, one more than the kind of the parts in the file's layout (those the kernels
   // multiply unpacked, whose crossover to tiles comes earlier: ProductPolicy); bits 4-5 the
-  // packed kernel for a single row (kvp::kOneRowOwn, kOneRowWide or kOneRowNarrow)
+  // packed kernel for a single row (kvp::kOneRowOwn, kOneRowWide or kOneRowNarrow); bit 6
+  // `grouped`: integer products may take a kernel for many rows whose order of sums
+  // differs from a single row's (QuantKernels::int_dot; not for batch-invariant products)
   const int64_t packed_mode = mode & 3;
   const int64_t file_mode = (mode >> 2 & 3) ? (mode >> 2 & 3) - 1 : packed_mode;
-  const int one_row = static_cast<int>(mode >> 4);
-  TORCH_CHECK(mode >= 0 && mode < 64 && packed_mode <= 2 && file_mode <= 2 &&
+  const int one_row = static_cast<int>(mode >> 4 & 3);
+  const bool grouped = (mode >> 6 & 1) != 0;
+  TORCH_CHECK(mode >= 0 && mode < 128 && packed_mode <= 2 && file_mode <= 2 &&
                   one_row <= kvp::kOneRowNarrow,
               "mode: 0 (integer), 1 (float) or 2 (bf16 tiles), plus 4 x (1 + the kind for "
               "the file's layout) where it differs, plus 16 x the single row's packed kernel "
-              "(0 the kernels' own, 1 wide, 2 narrow)");
+              "(0 the kernels' own, 1 wide, 2 narrow), plus 64 where the integer products "
+              "may take kernels for many rows (not batch-invariant)");
   const int64_t m = x_in.size(0), k = x_in.size(1);
   const auto parts = check_parts(parts_in, types, k);
   const int64_t n_total = parts.back().offset + parts.back().rows;
@@ -368,7 +372,9 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
     any_int |= integer;
     any_float |= !integer && !bf16_tiles_for(p);
     any_bf16 |= !integer && bf16_tiles_for(p);
-    offsets |= integer && p.packed && t->sums_from_offsets(p.type);
+    // (the packed kernels', and AVX-512's grid formats in the file's layout: grid_group_dot)
+    offsets |= integer && (p.packed || (grouped && kvp::grid_type(p.type))) &&
+               t->sums_from_offsets(p.type);
   }
   const auto x16 = any_bf16 ? x_in.to(at::kBFloat16).contiguous() : at::Tensor();
   auto y = at::empty({m, n_total}, x_in.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
@@ -515,7 +521,7 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
                     task.rows / kvp::kGroup, &block, mb, out, ldo, one_row);
     } else {
       t->int_dot(p.type, p.raw + task.row * p.row_bytes, p.row_bytes, task.rows, &block, mb, out,
-                 ldo);
+                 ldo, grouped);
     }
     round_tile(tile, m0, col, mb, task.rows);
   };
