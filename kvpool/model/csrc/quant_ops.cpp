@@ -335,7 +335,7 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   const int64_t packed_mode = mode & 3;
   const int64_t file_mode = (mode >> 2 & 3) ? (mode >> 2 & 3) - 1 : packed_mode;
   const int one_row = static_cast<int>(mode >> 4 & 3);
-  const bool grouped = (mode >> 6 & 1) != 0;
+  const bool grouped_mode = (mode >> 6 & 1) != 0;
   TORCH_CHECK(mode >= 0 && mode < 128 && packed_mode <= 2 && file_mode <= 2 &&
                   one_row <= kvp::kOneRowNarrow,
               "mode: 0 (integer), 1 (float) or 2 (bf16 tiles), plus 4 x (1 + the kind for "
@@ -343,6 +343,8 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
               "(0 the kernels' own, 1 wide, 2 narrow), plus 64 where the integer products "
               "may take kernels for many rows (not batch-invariant)");
   const int64_t m = x_in.size(0), k = x_in.size(1);
+  // the kernels for many rows, in a step of enough (one choice for all its rows)
+  const bool grouped = grouped_mode && m >= kvp::kGroupedFrom;
   const auto parts = check_parts(parts_in, types, k);
   const int64_t n_total = parts.back().offset + parts.back().rows;
   const QuantKernels* t = table(isa);
