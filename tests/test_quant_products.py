@@ -125,15 +125,15 @@ GRID_TYPES = ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"
 @pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
 @pytest.mark.parametrize("qtype", GRID_TYPES)
 def test_grouped_products_of_many_rows(qtype, variant):
-    """``GROUPED`` lets a kernel for many rows take steps of many: AVX-512's grid formats,
-    16 or 8 weight rows at a time from 5 activation rows (grid_group_dot); the other
-    variants' row kernels ignore it. Its integer sums are exact, its float steps its own
-    (each unit into one accumulator, not 8 lanes summed at the end): near the row
-    kernel's results, equal to the float product for exact activations, and a row's
-    result the same at any number of rows from 5, in either width (27 weight rows: 16,
-    then 8, then 3 for the row kernel; and the same from row 8 on: 16, then 3), bit for
-    bit on every AVX-512 variant; below 5 rows, and for the rows past the last group of 8,
-    the row kernel's."""
+    """``GROUPED`` lets a kernel for many rows take steps of many: the x86 variants' grid
+    formats, 8 weight rows at a time (AVX-512: 16, then 8) from 5 activation rows
+    (grid_group_dot); the generic variant's row kernels ignore it. Its integer sums are
+    exact, its float steps its own (each unit into one accumulator, not 8 lanes summed at
+    the end): near the row kernel's results, equal to the float product for exact
+    activations, and a row's result the same at any number of rows from 5, in either
+    width (27 weight rows: 16, then 8, then 3 for the row kernel; and the same from row 8
+    on: 16, then 3), bit for bit on every x86 variant (AVX2's dot as maddubs and madd);
+    below 5 rows, and for the rows past the last group of 8, the row kernel's."""
     from kvpool.model.products import GROUPED
 
     tid = TYPES[qtype][0]
@@ -148,10 +148,10 @@ def test_grouped_products_of_many_rows(qtype, variant):
     assert torch.equal(grouped[:, 24:], rows[:, 24:])
     shifted = ops.quant_matmul(x, [raw[8:]], [tid], GROUPED, variant)  # rows 8-23: one 16
     assert torch.equal(shifted[:, :16], grouped[:, 8:24])
-    group_kernel = variant.startswith("avx512")
+    group_kernel = variant.startswith(("avx512", "avx2"))
     assert bool((grouped[:, :24] != rows[:, :24]).any()) == group_kernel
-    if group_kernel:
-        other = ops.quant_matmul(x, [raw], [tid], GROUPED, "avx512-vnni")
+    if group_kernel:  # (every x86 CPU these variants run on runs avx2's)
+        other = ops.quant_matmul(x, [raw], [tid], GROUPED, "avx2")
         assert torch.equal(grouped, other)
     k = 768
     pos = np.arange(k)

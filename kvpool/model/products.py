@@ -36,8 +36,8 @@ from kvpool.model.native import native_ops
 
 INT8, FLOAT, BF16_TILES = 0, 1, 2  # quant_matmul's modes
 # (quant_matmul's mode, bit 6) integer products may take kernels for many rows whose order
-# of sums differs from a single row's: AVX-512's grid formats (IQ1-IQ3) 16 weight rows at
-# a time from 5 rows (docs/performance.md); never in batch-invariant products
+# of sums differs from a single row's: the x86 grid formats (IQ1-IQ3) 8 weight rows at a
+# time (AVX-512: 16) from 5 rows (docs/performance.md); never in batch-invariant products
 GROUPED = 64
 # The packed kernel for a single activation row (quant_matmul's mode, 16 x): the kernels'
 # own choice, AVX-512's pair of groups in 512-bit vectors, or one group in 256-bit ones

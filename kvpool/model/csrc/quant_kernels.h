@@ -82,9 +82,9 @@ inline void offsets_whole(const int8_t* q, int64_t m, int64_t k, int64_t ldq, in
 }
 
 // Activation rows from which a step whose order of sums may be its own (quant_matmul's
-// mode bit 6) takes int_dot's kernels for many rows (`grouped`): AVX-512's grid formats'
-// row kernel still read faster in its single passes of 1 to 4 rows; steps of 5 or more
-// take it two passes or more (docs/performance.md).
+// mode bit 6) takes int_dot's kernels for many rows (`grouped`: the x86 grid formats'):
+// AVX-512's grid formats' row kernel still read faster in its single passes of 1 to 4
+// rows; steps of 5 or more take it two passes or more (docs/performance.md).
 constexpr int64_t kGroupedFrom = 5;
 
 // packed_dot's kernel for a single activation row (quant_matmul's mode, bits 4-5).
@@ -101,7 +101,7 @@ struct QuantKernels {
   // [0, m): weight rows of type t are row_bytes apart, activations quantized. Each output
   // is one row's sum in an order that does not depend on m, unless `grouped` (a step of
   // kGroupedFrom rows or more, where its order of sums may be its own): then a kernel for
-  // many rows takes it where the table has one (AVX-512's grid formats, grid_group_dot,
+  // many rows takes it where the table has one (the x86 grid formats, grid_group_dot,
   // starting its sums at off6: sums_from_offsets).
   void (*int_dot)(int t, const uint8_t* w, int64_t row_bytes, int64_t n_rows, const Q8Rows* a,
                   int64_t m, float* y, int64_t ldy, bool grouped);
