@@ -54,7 +54,8 @@ def _choices(env_features: str | None) -> dict:
         "  'seconds': loaded.dtype_seconds, 'line': loaded.compute_line(),\n"
         "  'variant': kernel_variant(), 'quantized': isinstance(m.layers[0].qkv, QuantLinear),\n"
         "  'policy_variant': m.products.variant, 'exact': m.products.exact,\n"
-        "  'one_row': m.products.one_row, 'one_row_ms': m.products.one_row_ms}))\n"
+        "  'one_row': m.products.one_row, 'one_row_ms': m.products.one_row_ms,\n"
+        "  'far_ahead': m.products.far_ahead, 'ahead_ms': m.products.ahead_ms}))\n"
     )
     env = dict(os.environ)
     if env_features is not None:
@@ -112,6 +113,13 @@ def test_choices_follow_the_cpu(narrowed):
         assert f"batch-1 step {wide:.1f} ms in 512-bit" in got["line"]
     else:
         assert got["one_row"] == ONE_ROW_OWN and got["one_row_ms"] is None
+    # how far ahead passes of few rows ask for their weights: measured where they ask (x86)
+    if got["variant"].startswith(("avx512", "avx2")):
+        near, far = got["ahead_ms"]
+        assert got["far_ahead"] == (far < near)
+        assert f"KiB ahead (batch-1 step {near:.1f} ms at 2 KiB" in got["line"]
+    else:
+        assert not got["far_ahead"] and got["ahead_ms"] is None
 
 
 def test_the_module_runs_what_the_cpu_has():

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from kvpool.bench.random_blocks import TYPES, random_blocks  # noqa: E402
 from kvpool.model.cpu import cpu_features  # noqa: E402
 from kvpool.model.native import native_ops  # noqa: E402
-from kvpool.model.products import ONE_ROW_NARROW, ONE_ROW_OWN  # noqa: E402
+from kvpool.model.products import FAR_AHEAD, ONE_ROW_NARROW, ONE_ROW_OWN  # noqa: E402
 
 ops = native_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="native ops not built here")
@@ -79,10 +79,8 @@ def test_int8_products_are_row_invariant_and_equal_across_variants(qtype, varian
     """Each output row is its activation row's dot products alone, in a fixed order: a
     batch of 37 rows gives, bit for bit, each row computed alone (and the integer sums
     make every x86 variant agree; the plain C++ of the generic and aarch64 variants sums
-    its units in another order of floats). The grid formats on AVX-512 take 8 weight rows
-    at once in steps of 12 rows or more (grid_group_dot: 27 weight rows, three groups and 3
-    rows left to the row kernel), with the row kernel's float steps: the same bits at every
-    batch size and on every x86 variant."""
+    its units in another order of floats). Reading the weights further ahead (FAR_AHEAD)
+    changes no bit."""
     tid = TYPES[qtype][0]
     assert ops.quant_has_int_dot(tid, variant)
     raw = blocks(qtype, 27, 768)
@@ -92,6 +90,8 @@ def test_int8_products_are_row_invariant_and_equal_across_variants(qtype, varian
         assert torch.equal(ops.quant_matmul(x[i : i + 1], [raw], [tid], 0, variant)[0], batch[i])
     for n in (2, 3, 9, 30):  # passes of 8, 4 and of the 1 to 3 rows left
         assert torch.equal(ops.quant_matmul(x[:n], [raw], [tid], 0, variant), batch[:n])
+    for n in (1, 2, 5):
+        assert torch.equal(ops.quant_matmul(x[:n], [raw], [tid], FAR_AHEAD, variant), batch[:n])
     if variant in X86_VARIANTS:
         assert torch.equal(batch, ops.quant_matmul(x, [raw], [tid], 0, X86_VARIANTS[-1]))
 
@@ -179,7 +179,7 @@ def test_parts_in_the_files_layout_take_their_own_kind_of_product(variant):
             for raw, tid in zip(raws, tids, strict=True)
         ]
         assert torch.equal(mixed, torch.cat(alone, 1)), (packed_kind, file_kind)
-    for bad in (3, 128, 3 | 1 << 2, 3 << 4):  # kinds 0-2; file kinds 1-3; one_row 0-2; bit 6
+    for bad in (3, 256, 3 | 1 << 2, 3 << 4):  # kinds 0-2; file kinds 1-3; one_row 0-2; bit 7
         with pytest.raises(RuntimeError, match="mode"):
             ops.quant_matmul(x, raws, tids, bad, variant)
 
@@ -206,30 +206,52 @@ def test_a_policy_with_a_crossover_for_the_files_layout_encodes_both_kinds():
     # batch-invariant: int8 at every size, each row's order of sums the same at any size
     fixed = ProductPolicy(fixed=True)
     assert [fixed.mode(rows) for rows in (1, 32, 200)] == [INT8, INT8, INT8]
+    # reading further ahead changes no result: a batch-invariant policy takes it too
+    fixed.far_ahead, fixed.ahead_ms = True, (21.5, 19.25)
+    assert [fixed.mode(rows) for rows in (1, 200)] == [INT8 | FAR_AHEAD, INT8 | FAR_AHEAD]
+    assert "weights asked for 8 KiB ahead (batch-1 step 21.5 ms at 2 KiB, 19.2 at 8 KiB)" in (
+        fixed.describe()
+    )
 
 
 def test_a_single_rows_kernel_is_measured_where_there_are_two_or_set(monkeypatch):
     """AVX-512's packed kernels read one activation row as pairs of groups in 512-bit
-    vectors or one group in 256-bit ones (the same bits: the products tests): the load
-    measures batch-1 decode steps with each and keeps the faster (test_cpu_choice checks
-    the choice); ``KVPOOL_ONE_ROW`` sets it; a variant with one kernel measures nothing."""
+    vectors or one group in 256-bit ones, and x86's passes of few rows ask for their
+    weights 2 or 8 KiB ahead (the same bits: the products tests): the load measures
+    batch-1 decode steps with each and keeps the fastest (test_cpu_choice checks the
+    choice); ``KVPOOL_ONE_ROW`` and ``KVPOOL_READ_AHEAD`` set them; a variant with one
+    kernel measures no width, the generic variant no read-ahead."""
     from kvpool.model.loader import load_model
 
     monkeypatch.setenv("KVPOOL_ONE_ROW", "narrow")
+    monkeypatch.setenv("KVPOOL_READ_AHEAD", "far")
     loaded = load_model(None, progress=False)
-    assert loaded.model.products.one_row == ONE_ROW_NARROW
-    assert loaded.model.products.one_row_ms is None
+    products = loaded.model.products
+    assert products.one_row == ONE_ROW_NARROW and products.far_ahead
+    assert products.one_row_ms is None and products.ahead_ms is None
     line = loaded.compute_line()
     assert "one row in 256-bit vectors" in line and "batch-1 step" not in line
+    assert "weights asked for 8 KiB ahead" in line
+    assert products.mode(1) & FAR_AHEAD
     monkeypatch.setenv("KVPOOL_ONE_ROW", "widest")
     with pytest.raises(ValueError, match="KVPOOL_ONE_ROW"):
         load_model(None, progress=False)
     monkeypatch.delenv("KVPOOL_ONE_ROW")
+    monkeypatch.setenv("KVPOOL_READ_AHEAD", "farther")
+    with pytest.raises(ValueError, match="KVPOOL_READ_AHEAD"):
+        load_model(None, progress=False)
+    monkeypatch.delenv("KVPOOL_READ_AHEAD")
     monkeypatch.setenv("KVPOOL_CPU_FEATURES", "avx2")
     narrowed = load_model(None, progress=False).model.products
     assert narrowed.variant in ("avx2", "avx512-bf16")  # (emulated AVX-512 runs anywhere)
     if narrowed.variant == "avx2":
         assert narrowed.one_row == ONE_ROW_OWN and narrowed.one_row_ms is None
+        near, far = narrowed.ahead_ms  # measured: x86's kernels ask ahead
+        assert narrowed.far_ahead == (far < near)
+    monkeypatch.setenv("KVPOOL_CPU_FEATURES", "none")
+    generic = load_model(None, progress=False).model.products
+    if generic.variant == "generic":
+        assert not generic.far_ahead and generic.ahead_ms is None
 
 
 def test_fused_parts_of_different_formats_equal_separate_products():
@@ -402,6 +424,13 @@ def test_packed_products_equal_the_row_kernels(qtype, variant):
     for one_row in (1, 2):  # a single row's two kernels (AVX-512's; one elsewhere): one result
         alone = ops.quant_matmul(x[:1], [packed], [tid | PACKED], one_row << 4, variant)
         assert torch.equal(alone[0], batch[0])
+    # read further ahead (FAR_AHEAD): when the weights are asked for changes, no result
+    for n in (1, 2, 3, 4, 5, 9):
+        for one_row in (0, 1, 2):
+            far = ops.quant_matmul(
+                x[:n], [packed], [tid | PACKED], FAR_AHEAD | one_row << 4, variant
+            )
+            assert torch.equal(far, batch[:n])
     assert ops.quant_packs(tid, variant) == (variant in X86_VARIANTS)
     if variant.startswith("avx512"):  # AVX-512's packed kernels agree bit for bit, AMX too
         # 150 rows: a block of 128 (on AMX one call, its 16-row tiles after one unpacking

@@ -257,37 +257,57 @@ def _choose_crossover(products: ProductPolicy, model: LlamaModel, dtype: torch.d
 
 
 def _choose_one_row(products: ProductPolicy, model: LlamaModel) -> None:
-    """The packed kernel for a step of one row, where the variant has two (AVX-512's: a
-    pair of groups in 512-bit vectors, or one group in 256-bit ones; the same results bit
-    for bit): batch-1 decode steps of the model with each, alternating, the faster kept
-    (the pair kernel read faster on an AMX Xeon and 1.3-1.5x slower on Zen 4, which runs
-    a 512-bit operation as two halves). ``KVPOOL_ONE_ROW`` ("wide", "narrow") sets it."""
+    """How a step of few rows reads its weights, where there is a choice: the packed
+    kernel for one row (AVX-512's: a pair of groups in 512-bit vectors, or one group in
+    256-bit ones; the same results bit for bit), and how far ahead passes of few rows ask
+    for their weights (x86: 2 or 8 KiB; the same results). Batch-1 decode steps of the
+    model with each combination, alternating, the fastest kept: the pair kernel read
+    faster on an AMX Xeon and 1.3-1.5x slower on Zen 4, which runs a 512-bit operation as
+    two halves; 8 KiB ahead took 0.85x the time of 2 on Zen 5, whose cores stream three
+    times an AMX Xeon's rate (docs/performance.md). ``KVPOOL_ONE_ROW`` ("wide",
+    "narrow") and ``KVPOOL_READ_AHEAD`` ("near", "far") set them."""
     forced = os.environ.get("KVPOOL_ONE_ROW")
     if forced is not None:
         kinds = {"wide": ONE_ROW_WIDE, "narrow": ONE_ROW_NARROW}
         if forced not in kinds:
             raise ValueError(f"KVPOOL_ONE_ROW: 'wide' or 'narrow', not {forced!r}")
         products.one_row = kinds[forced]
-        return
+    forced_ahead = os.environ.get("KVPOOL_READ_AHEAD")
+    if forced_ahead is not None:
+        if forced_ahead not in ("near", "far"):
+            raise ValueError(f"KVPOOL_READ_AHEAD: 'near' or 'far', not {forced_ahead!r}")
+        products.far_ahead = forced_ahead == "far"
     layer = model.layers[0]
     packed = any(
         isinstance(x, QuantLinear) and any(t & PACKED for t in x.types)
         for x in (layer.o, layer.qkv, layer.gate_up, layer.down)
     )
-    if not (products.variant.startswith("avx512") and packed):
+    avx512 = products.variant.startswith("avx512")
+    widths = [products.one_row]
+    if forced is None and avx512 and packed:
+        widths = [ONE_ROW_WIDE, ONE_ROW_NARROW]
+    aheads = [products.far_ahead]
+    if forced_ahead is None and (avx512 or products.variant == "avx2"):  # (x86's kernels)
+        aheads = [False, True]
+    candidates = [(width, far) for width in widths for far in aheads]
+    if len(candidates) == 1:
         return
-    step = _decode_stepper(model, 2 * (DTYPE_ROUNDS + 1))
+    step = _decode_stepper(model, len(candidates) * (DTYPE_ROUNDS + 1))
 
-    def with_kernel(kind: int) -> Callable[[], float]:
+    def with_reads(width: int, far: bool) -> Callable[[], float]:
         def timed() -> float:
-            products.one_row = kind
+            products.one_row, products.far_ahead = width, far
             return step()
 
         return timed
 
-    times = median_of_alternating({k: with_kernel(k) for k in (ONE_ROW_WIDE, ONE_ROW_NARROW)})
-    products.one_row = min(times, key=times.__getitem__)
-    products.one_row_ms = (times[ONE_ROW_WIDE] * 1e3, times[ONE_ROW_NARROW] * 1e3)
+    times = median_of_alternating({c: with_reads(*c) for c in candidates})
+    width, far = min(times, key=times.__getitem__)
+    products.one_row, products.far_ahead = width, far
+    if len(widths) == 2:
+        products.one_row_ms = (times[ONE_ROW_WIDE, far] * 1e3, times[ONE_ROW_NARROW, far] * 1e3)
+    if len(aheads) == 2:
+        products.ahead_ms = (times[width, False] * 1e3, times[width, True] * 1e3)
 
 
 def load_model(

@@ -42,6 +42,10 @@ GROUPED = 64
 # The packed kernel for a single activation row (quant_matmul's mode, 16 x): the kernels'
 # own choice, AVX-512's pair of groups in 512-bit vectors, or one group in 256-bit ones
 ONE_ROW_OWN, ONE_ROW_WIDE, ONE_ROW_NARROW = 0, 1, 2
+# (quant_matmul's mode, bit 7) passes of 1 to 4 rows ask for their weights 8 KiB ahead
+# instead of 2 (kReadAheadFar, kReadAheadNear: the same results), measured at load
+FAR_AHEAD = 128
+READ_AHEAD_KIB = {False: 2, True: 8}
 
 
 @dataclass
@@ -60,7 +64,10 @@ class ProductPolicy:
 
     ``one_row``: the packed kernel for a step of one row (a batch-1 decode step) on an
     AVX-512 variant (``ONE_ROW_WIDE`` or ``ONE_ROW_NARROW``; the same results bit for bit),
-    measured at load; ``ONE_ROW_OWN`` leaves it to the kernels."""
+    measured at load; ``ONE_ROW_OWN`` leaves it to the kernels. ``far_ahead``: passes of
+    few rows (a decode step's), which stream the weights from memory, ask for them 8 KiB
+    ahead instead of 2 (x86; the same results), measured at load: the memory's latency
+    times a core's rate decides it."""
 
     exact: bool = False
     int8_max_rows: int | None = None
@@ -71,6 +78,8 @@ class ProductPolicy:
     file_int8_max_rows: int | None = None
     one_row: int = ONE_ROW_OWN
     one_row_ms: tuple[float, float] | None = None  # measured: (wide, narrow) a decode step
+    far_ahead: bool = False
+    ahead_ms: tuple[float, float] | None = None  # measured: (near, far) a decode step
 
     def _kind(self, rows: int, crossover: int | None) -> int:
         if crossover is None or rows <= crossover:
@@ -80,7 +89,7 @@ class ProductPolicy:
     def mode(self, rows: int) -> int:
         """quant_matmul's mode: the kind of product (``INT8``, ``FLOAT``, ``BF16_TILES``),
         plus 4 x (1 + the kind for the file's layout) where that has its own crossover,
-        plus 16 x ``one_row``, plus ``GROUPED`` unless ``fixed``."""
+        plus 16 x ``one_row``, plus ``GROUPED`` unless ``fixed``, plus ``FAR_AHEAD``."""
         if self.exact:
             return FLOAT
         mode = self._kind(rows, self.int8_max_rows)
@@ -88,6 +97,8 @@ class ProductPolicy:
             mode |= (1 + self._kind(rows, self.file_int8_max_rows)) << 2
         if not self.fixed:
             mode |= GROUPED
+        if self.far_ahead:
+            mode |= FAR_AHEAD
         # (for any number of rows: a mixture of experts' product may give an expert one)
         return mode | self.one_row << 4
 
@@ -123,6 +134,11 @@ class ProductPolicy:
             if self.one_row_ms is not None:
                 wide, narrow = self.one_row_ms
                 what += f" (batch-1 step {wide:.1f} ms in 512-bit, {narrow:.1f} in 256-bit)"
+        if self.far_ahead or self.ahead_ms is not None:
+            what += f"; weights asked for {READ_AHEAD_KIB[self.far_ahead]} KiB ahead"
+            if self.ahead_ms is not None:
+                near, far = self.ahead_ms
+                what += f" (batch-1 step {near:.1f} ms at 2 KiB, {far:.1f} at 8 KiB)"
         return f"{what} ({kernels})"
 
 

@@ -87,6 +87,14 @@ inline void offsets_whole(const int8_t* q, int64_t m, int64_t k, int64_t ldq, in
 // rows; steps of 5 or more take it two passes or more (docs/performance.md).
 constexpr int64_t kGroupedFrom = 5;
 
+// How far ahead of their weights the kernels' passes of 1 to 4 activation rows, which
+// stream the weights from memory, ask for them (quant_matmul's mode bit 7: far): 2 KiB
+// read fastest on an AMX Xeon whose core streamed ~12 GB/s, and 8 KiB on a Zen 5 whose
+// core streamed ~38 (a batch-1 step of an 8B-class file 0.85x the time there); which is
+// the CPU's (its memory's latency times a core's rate), so ProductPolicy measures it.
+constexpr int kReadAheadNear = 2048;
+constexpr int kReadAheadFar = 8192;
+
 // packed_dot's kernel for a single activation row (quant_matmul's mode, bits 4-5).
 constexpr int kOneRowOwn = 0, kOneRowWide = 1, kOneRowNarrow = 2;
 
@@ -103,8 +111,9 @@ struct QuantKernels {
   // kGroupedFrom rows or more, where its order of sums may be its own): then a kernel for
   // many rows takes it where the table has one (the x86 grid formats, grid_group_dot,
   // starting its sums at off6: sums_from_offsets).
+  // `ahead`: the read-ahead of passes of few rows (kReadAheadNear or kReadAheadFar).
   void (*int_dot)(int t, const uint8_t* w, int64_t row_bytes, int64_t n_rows, const Q8Rows* a,
-                  int64_t m, float* y, int64_t ldy, bool grouped);
+                  int64_t m, float* y, int64_t ldy, bool grouped, int ahead);
   // out[i * k ...] = weight rows [0, n_rows) of type t dequantized to floats.
   void (*dequantize_rows)(int t, const uint8_t* w, int64_t row_bytes, int64_t n_rows, int64_t k,
                           float* out);
@@ -123,7 +132,7 @@ struct QuantKernels {
   // 256-bit vectors (the same results bit for bit; which reads faster is the CPU's: a
   // 512-bit unit's, or two 256-bit halves', ProductPolicy measures it at load).
   void (*packed_dot)(int t, const uint8_t* w, int64_t group_bytes, int64_t n_groups,
-                     const Q8Rows* a, int64_t m, float* y, int64_t ldy, int one_row);
+                     const Q8Rows* a, int64_t m, float* y, int64_t ldy, int one_row, int ahead);
   // y[r * ldy + n] = dot(float weight row n of w (ldw apart), x row r (k apart)), all float32.
   void (*float_dot)(const float* w, int64_t ldw, int64_t n_rows, const float* x, int64_t m,
                     int64_t k, float* y, int64_t ldy);

@@ -331,17 +331,21 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
   // multiply unpacked, whose crossover to tiles comes earlier: ProductPolicy); bits 4-5 the
   // packed kernel for a single row (kvp::kOneRowOwn, kOneRowWide or kOneRowNarrow); bit 6
   // `grouped`: integer products may take a kernel for many rows whose order of sums
-  // differs from a single row's (QuantKernels::int_dot; not for batch-invariant products)
+  // differs from a single row's (QuantKernels::int_dot; not for batch-invariant products);
+  // bit 7 `far`: passes of few rows ask for their weights kReadAheadFar bytes ahead, not
+  // kReadAheadNear (the same results: only when the memory is asked for differs)
   const int64_t packed_mode = mode & 3;
   const int64_t file_mode = (mode >> 2 & 3) ? (mode >> 2 & 3) - 1 : packed_mode;
   const int one_row = static_cast<int>(mode >> 4 & 3);
   const bool grouped_mode = (mode >> 6 & 1) != 0;
-  TORCH_CHECK(mode >= 0 && mode < 128 && packed_mode <= 2 && file_mode <= 2 &&
+  const int ahead = (mode >> 7 & 1) ? kvp::kReadAheadFar : kvp::kReadAheadNear;
+  TORCH_CHECK(mode >= 0 && mode < 256 && packed_mode <= 2 && file_mode <= 2 &&
                   one_row <= kvp::kOneRowNarrow,
               "mode: 0 (integer), 1 (float) or 2 (bf16 tiles), plus 4 x (1 + the kind for "
               "the file's layout) where it differs, plus 16 x the single row's packed kernel "
               "(0 the kernels' own, 1 wide, 2 narrow), plus 64 where the integer products "
-              "may take kernels for many rows (not batch-invariant)");
+              "may take kernels for many rows (not batch-invariant), plus 128 to read "
+              "the weights further ahead");
   const int64_t m = x_in.size(0), k = x_in.size(1);
   // the kernels for many rows, in a step of enough (one choice for all its rows)
   const bool grouped = grouped_mode && m >= kvp::kGroupedFrom;
@@ -520,10 +524,10 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
     if (p.packed) {
       const int64_t group_bytes = kvp::group_bytes(p.type, k);
       t->packed_dot(p.type, p.raw + task.row / kvp::kGroup * group_bytes, group_bytes,
-                    task.rows / kvp::kGroup, &block, mb, out, ldo, one_row);
+                    task.rows / kvp::kGroup, &block, mb, out, ldo, one_row, ahead);
     } else {
       t->int_dot(p.type, p.raw + task.row * p.row_bytes, p.row_bytes, task.rows, &block, mb, out,
-                 ldo, grouped);
+                 ldo, grouped, ahead);
     }
     round_tile(tile, m0, col, mb, task.rows);
   };
