@@ -259,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--mix",
         default="Q4_0",
-        help="synth-model: Q4_0, Q8_0, Q2_K, Q3_K_M, Q4_K_M, Q5_K_M or IQ4_XS",
+        help="synth-model: Q4_0, Q8_0, Q2_K, Q3_K_M, Q4_K_M, Q5_K_M, IQ4_XS, IQ2_XXS, TQ1_0 "
+        "or TQ2_0",
     )
     bench.add_argument("--out", default="models", help="synth-model: the directory to write to")
     bench.add_argument("--api-key", default=None)

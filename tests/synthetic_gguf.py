@@ -129,7 +129,7 @@ def write_model(
             writer.add_tensor(name, data)
         elif qname == "F16":
             writer.add_tensor(name, data.astype(np.float16))
-        elif qname.endswith("_K") or qname.startswith("IQ"):
+        elif qname.endswith("_K") or qname.startswith(("IQ", "TQ")):
             rows = int(np.prod(shape[:-1]))
             raw = random_blocks(qname, rows, shape[-1], rng, scale=0.15)
             raw = raw.reshape(*shape[:-1], raw.shape[-1])

@@ -23,7 +23,7 @@ X86_VARIANTS = VARIANTS[:4]  # one integer form: their products agree bit for bi
 INT8_TYPES = [
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
-    "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+    "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0",
 ]  # fmt: skip
 # int8 products against the float ones, one product of random data: share of the
 # largest output (measured: 0.4-1.2%)
@@ -120,13 +120,14 @@ def test_int8_products_of_exact_activations_equal_the_float_product(qtype, varia
 
 
 GRID_TYPES = ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"]
+TERNARY_TYPES = ["TQ1_0", "TQ2_0"]
 
 
 @pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
-@pytest.mark.parametrize("qtype", GRID_TYPES)
+@pytest.mark.parametrize("qtype", GRID_TYPES + TERNARY_TYPES)
 def test_grouped_products_of_many_rows(qtype, variant):
     """``GROUPED`` lets a kernel for many rows take steps of many: the x86 variants' grid
-    formats, 8 weight rows at a time (AVX-512: 16, then 8) from 5 activation rows
+    and ternary formats, 8 weight rows at a time (AVX-512: 16, then 8) from 5 activation rows
     (grid_group_dot); the generic variant's row kernels ignore it. Its integer sums are
     exact, its float steps its own (each unit into one accumulator, not 8 lanes summed at
     the end): near the row kernel's results, equal to the float product for exact
@@ -162,6 +163,32 @@ def test_grouped_products_of_many_rows(qtype, variant):
     want = exact @ ops.quant_dequantize(raw, tid, k).T
     got = ops.quant_matmul(exact, [raw], [tid], GROUPED, variant)
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
+def test_a_ternary_field_of_three_reads_as_two_in_every_kernel(variant):
+    """TQ2_0's 2-bit fields hold 0 .. 2 in any file ggml writes; a 3 (a damaged or
+    hand-made file) reads as the value 2, as ggml's and the gguf package's dequantizers
+    read it, in the row kernel and the grouped one alike."""
+    from kvpool.model.products import GROUPED
+
+    tid, k = TYPES["TQ2_0"][0], 512
+    raw = blocks("TQ2_0", 16, k, seed=3)
+    raw.view(16, k // 256, 66)[:, :, :64] |= torch.tensor([0xC0, 0x03], dtype=torch.uint8).repeat(
+        32
+    )
+    values = ops.quant_dequantize(raw, tid, k, variant)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    assert np.array_equal(values.numpy(), dequantize(raw.numpy(), GGMLQuantizationType(tid)))
+    signs = np.where(np.arange(k) % 3 == 0, -1.0, 1.0)
+    x = torch.tensor(np.stack([signs, -signs] * 4), dtype=torch.float32)  # 8 rows: grouped
+    want = x @ values.T
+    for mode in (0, GROUPED):
+        for rows in (1, 8):
+            got = ops.quant_matmul(x[:rows], [raw], [tid], mode, variant)
+            assert (got - want[:rows]).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
 @pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])

@@ -56,6 +56,11 @@ MIXES = {
         "attn_v.weight": "IQ3_XXS", "attn_output.weight": "IQ2_S", "ffn_gate.weight": "IQ1_S",
         "ffn_up.weight": "IQ1_M", "ffn_down.weight": "IQ3_S", "output.weight": "IQ2_XXS",
     },
+    "ternary": {  # kept in their blocks (TriLM's and BitNet-style files), as llama.cpp mixes
+        "token_embd.weight": "Q4_K", "attn_q.weight": "TQ2_0", "attn_k.weight": "TQ1_0",
+        "attn_v.weight": "TQ2_0", "attn_output.weight": "TQ1_0", "ffn_gate.weight": "TQ2_0",
+        "ffn_up.weight": "TQ1_0", "ffn_down.weight": "TQ2_0", "output.weight": "Q6_K",
+    },
 }  # fmt: skip
 # The quantized path's logits against the dequantized reference: float products are
 # exact up to the order of sums; int8 products (activations quantized per block of 32)
@@ -509,21 +514,25 @@ def test_the_compute_line_names_matrices_dequantized_at_load(tmp_path: Path, mon
 
 
 @pytest.mark.skipif(_native() is None, reason="the native ops are not built here")
-def test_the_grid_formats_stay_in_their_blocks(tmp_path: Path):
-    """IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S matrices are kept as the
-    file's bytes (integer products from their grids, or dequantized tiles: no copy in
-    another precision), the load line names no dequantized matrix, and a step at the
-    dtype chosen at load gives the float path's logits within the int8 products' bound
-    (test_random_model_matches_reference compares those with transformers')."""
+@pytest.mark.parametrize(
+    ("mix", "types"), [("grids", {16, 17, 18, 19, 21, 22, 29}), ("ternary", {34, 35})]
+)
+def test_the_grid_and_ternary_formats_stay_in_their_blocks(tmp_path: Path, mix, types):
+    """IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S matrices, and TQ1_0 and
+    TQ2_0 ones, are kept as the file's bytes (integer products from their grids or
+    digits, or dequantized tiles: no copy in another precision), the load line names no
+    dequantized matrix, and a step at the dtype chosen at load gives the float path's
+    logits within the int8 products' bound (test_random_model_matches_reference compares
+    those with transformers')."""
     import kvpool.model.loader as loader
     from kvpool.model.products import QuantLinear
 
-    path = write_model(tmp_path / "grids.gguf", "llama", MIXES["grids"], seed=5)
+    path = write_model(tmp_path / f"{mix}.gguf", "llama", MIXES[mix], seed=5)
     loaded = loader.load_model(str(path), progress=False)
     layer = loaded.model.layers[0]
     products = (layer.qkv, layer.o, layer.gate_up, layer.down)
     assert all(isinstance(p, QuantLinear) for p in products)
-    assert {t for p in products for t in p.types} == {16, 17, 18, 19, 21, 22, 29}
+    assert {t for p in products for t in p.types} == types
     assert loaded.dequantized == {} and "dequantized at load" not in loaded.compute_line()
     matrices = [t for t in read_gguf_header(path).tensors if len(t.shape) == 2]
     file_bytes = sum(t.num_bytes for t in matrices if t.name.startswith("blk."))
@@ -572,6 +581,36 @@ def test_synth_models_iq2_xxs_mix():
     for name in ("attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
         assert tensor_type("IQ2_XXS", f"blk.3.{name}.weight", 3, g) == "IQ2_XXS"
     assert FILE_TYPES["IQ2_XXS"] == 19  # llama.cpp's LLAMA_FTYPE_MOSTLY_IQ2_XXS
+
+
+@pytest.mark.parametrize("mix", ["TQ1_0", "TQ2_0"])
+def test_synth_models_ternary_mixes(tmp_path: Path, mix):
+    """TQ1_0 and TQ2_0: every matrix in the format but the head (Q6_K; a tied embedding
+    is the head) and an untied embedding (Q4_K, llama.cpp's rule); rows that are not
+    whole 256-blocks fall back to Q4_0 (SmolLM2's 576-wide hidden size). The runtime
+    keeps the file's blocks and computes finite, moving logits from them."""
+    import dataclasses
+
+    from kvpool.bench.random_blocks import TYPES
+    from kvpool.bench.synth_model import FILE_TYPES, PRESETS, tensor_type, write
+    from kvpool.formats.gguf_header import read_gguf_header
+
+    g, untied = PRESETS["llama-3.2-1b"], PRESETS["llama-3.1-8b"]
+    assert tensor_type(mix, "token_embd.weight", -1, g) == "Q6_K"  # tied: the head
+    assert tensor_type(mix, "token_embd.weight", -1, untied) == "Q4_K"
+    assert tensor_type(mix, "output.weight", -1, untied) == "Q6_K"
+    for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        assert tensor_type(mix, f"blk.3.{name}.weight", 3, g) == mix
+    assert FILE_TYPES[mix] == {"TQ1_0": 36, "TQ2_0": 37}[mix]  # LLAMA_FTYPE_MOSTLY_TQ*
+    tiny = dataclasses.replace(PRESETS["smollm2-135m"], layers=2, ffn=512, vocab=2048)
+    path = write(tiny, mix, tmp_path / "tiny.gguf", progress=False)
+    types = {t.name: t.ggml_type for t in read_gguf_header(path).tensors}
+    assert types["blk.0.attn_q.weight"] == 2  # Q4_0 (576 columns)
+    assert types["blk.0.ffn_down.weight"] == TYPES[mix][0]  # 512 columns
+    config, weights = load_gguf_weights(path, quantized=_native() is not None)
+    model = LlamaModel(config, weights, torch.device("cpu"), torch.float32)
+    logits = _logits(model, [(3 * i + 7) % 2000 for i in range(20)])
+    assert logits.isfinite().all() and logits.std() > 0.1
 
 
 def test_synth_models_iq4_xs_mix_follows_llama_cpps_rules(tmp_path: Path):

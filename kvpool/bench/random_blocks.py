@@ -31,6 +31,9 @@ TYPES: dict[str, tuple[int, int, int, tuple[int, ...], tuple[int, ...]]] = {
     "IQ3_S": (21, 256, 110, (0,), ()),
     "IQ1_S": (19, 256, 50, (0,), ()),
     "IQ1_M": (29, 256, 56, (), ()),
+    # the ternary formats (values -1, 0, 1: TQ2_0's 2-bit fields drawn from 0 .. 2)
+    "TQ1_0": (34, 256, 54, (52,), ()),
+    "TQ2_0": (35, 256, 66, (64,), ()),
 }
 
 
@@ -56,7 +59,7 @@ def random_blocks(
     levels |= {"IQ4_NL": 128, "IQ4_XS": 128 * 32}
     # (the grid formats: the largest grid value times the largest sub-block scale)
     levels |= {"IQ2_XXS": 168, "IQ2_XS": 168, "IQ2_S": 168, "IQ3_XXS": 480, "IQ3_S": 465}
-    levels |= {"IQ1_S": 17, "IQ1_M": 17}
+    levels |= {"IQ1_S": 17, "IQ1_M": 17, "TQ1_0": 1, "TQ2_0": 1}
     step = scale / levels.get(qtype, 16 if elems == 32 else 16 * 64)
     for off in scales:
         d = rng.uniform(0.5 * step, 1.5 * step, size=count).astype(np.float16)
@@ -64,6 +67,11 @@ def random_blocks(
     for off in mins:
         m = rng.uniform(0.0, step * (64 if elems == 256 else 8), size=count).astype(np.float16)
         blocks[:, off : off + 2] = m.view(np.uint8).reshape(-1, 2)
+    if qtype == "TQ2_0":  # a field of 3 would read as 2: values of mean 1/4, not 0
+        fields = rng.integers(0, 3, size=(count, 64, 4), dtype=np.uint8)
+        blocks[:, :64] = (
+            fields[..., 0] | fields[..., 1] << 2 | fields[..., 2] << 4 | fields[..., 3] << 6
+        )
     if qtype == "IQ1_M":  # d's 16 bits: the top nibble of each of the four uint16 scales
         d = rng.uniform(0.5 * step, 1.5 * step, size=count).astype(np.float16).view(np.uint16)
         scales = blocks[:, 48:56].copy().view(np.uint16)  # [count, 4]

@@ -17,7 +17,10 @@ importance matrix) uses IQ4_XS with Q6_K for the head, Q5_K for ``attn_v`` where
 query heads share a KV head and for the first eighth's ``ffn_down``; ``IQ2_XXS`` (a grid
 format, which llama.cpp makes with an importance matrix) uses IQ2_XXS with Q5_K for the head,
 Q2_K for an untied embedding, and Q4_K for ``attn_v`` where four or more query heads share a
-KV head (Q2_K elsewhere), following llama.cpp's rules for the type's neighbours. A tied
+KV head (Q2_K elsewhere), following llama.cpp's rules for the type's neighbours; ``TQ1_0``
+and ``TQ2_0`` (the ternary formats of BitNet-style models such as TriLM's) use that format
+for every matrix but the head (Q6_K) and an untied embedding (Q4_K), as llama.cpp's quantize
+makes them. A tied
 embedding is the head, so it gets the head's type. The vocabulary is a SentencePiece one of
 the real size (byte tokens, a few pieces and fillers) with a ChatML template.
 """
@@ -90,7 +93,18 @@ PRESETS = {
     "gemma3-1b": Geometry("gemma3", 1152, 26, 4, 1, 6912, 262144, True, **_G3_1B),
     "gemma3-4b": Geometry("gemma3", 2560, 34, 8, 4, 10240, 262208, True, rope_linear=8.0, **_G3),
 }
-MIXES = ("Q4_0", "Q8_0", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "IQ4_XS", "IQ2_XXS")
+MIXES = (
+    "Q4_0",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K_M",
+    "Q4_K_M",
+    "Q5_K_M",
+    "IQ4_XS",
+    "IQ2_XXS",
+    "TQ1_0",
+    "TQ2_0",
+)
 # llama.cpp's, for rows that are not whole 256-blocks
 FALLBACK = {
     "Q2_K": "Q4_0",
@@ -100,6 +114,8 @@ FALLBACK = {
     "Q6_K": "Q8_0",
     "IQ4_XS": "IQ4_NL",
     "IQ2_XXS": "Q4_0",
+    "TQ1_0": "Q4_0",
+    "TQ2_0": "Q4_0",
 }
 # llama.cpp's general.file_type
 FILE_TYPES = {
@@ -111,6 +127,8 @@ FILE_TYPES = {
     "Q5_K_M": 17,
     "IQ4_XS": 30,
     "IQ2_XXS": 19,
+    "TQ1_0": 36,
+    "TQ2_0": 37,
 }
 WEIGHT_SCALE = 0.06  # spread of the random weights (keeps activations finite and moving)
 
@@ -144,6 +162,8 @@ def tensor_type(mix: str, name: str, layer: int, geometry: Geometry) -> str:
             qtype = "Q4_K" if grouped else "Q2_K"
         else:
             qtype = "IQ2_XXS"
+    elif mix in ("TQ1_0", "TQ2_0"):
+        qtype = "Q6_K" if head else "Q4_K" if name == "token_embd.weight" else mix
     elif mix == "Q3_K_M":  # attn_v: Q5_K in the first two layers; ffn_down: the first 16th
         if head:
             qtype = "Q6_K"

@@ -32,9 +32,12 @@ _F32, _F16, _BF16 = 0, 1, 30
 _UNQUANTIZED = (_F32, _F16, _BF16)
 # The types the native kernels multiply by, as integers or by tiles dequantized per
 # thread: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K, IQ4_NL, IQ4_XS and the grid formats
-# (IQ2_XXS 16, IQ2_XS 17, IQ3_XXS 18, IQ1_S 19, IQ3_S 21, IQ2_S 22, IQ1_M 29); any other
-# quantized type (TQ1_0, TQ2_0) is dequantized at load.
-KEPT_QUANTIZED = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 16, 17, 18, 19, 20, 21, 22, 23, 29})
+# (IQ2_XXS 16, IQ2_XS 17, IQ3_XXS 18, IQ1_S 19, IQ3_S 21, IQ2_S 22, IQ1_M 29) and the
+# ternary TQ1_0 (34) and TQ2_0 (35); any other quantized type (MXFP4, NVFP4, Q1_0) is
+# dequantized at load.
+KEPT_QUANTIZED = frozenset(
+    {2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 16, 17, 18, 19, 20, 21, 22, 23, 29, 34, 35}
+)
 _EMBEDDING = "token_embd.weight"
 # Threads that dequantize the tensors not kept in their blocks (at most the CPU count)
 DEQUANTIZE_THREADS = 8

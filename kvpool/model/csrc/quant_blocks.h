@@ -31,6 +31,8 @@ enum QType : int {
   kBF16 = 30,
   // the grid formats (integer products from their grids' bytes, IQGrids)
   kIQ2_XXS = 16, kIQ2_XS = 17, kIQ3_XXS = 18, kIQ1_S = 19, kIQ3_S = 21, kIQ2_S = 22, kIQ1_M = 29,
+  // the ternary formats (values -1, 0, 1 times one scale a block of 256)
+  kTQ1_0 = 34, kTQ2_0 = 35,
 };
 
 // The grid formats' tables (ggml's iq2xxs_grid, iq2xs_grid, iq2s_grid, iq3xxs_grid,
@@ -72,6 +74,13 @@ static KVP_ALWAYS_INLINE constexpr bool grid_type(int t) {
          t == kIQ1_S || t == kIQ1_M;
 }
 
+static KVP_ALWAYS_INLINE constexpr bool ternary_type(int t) { return t == kTQ1_0 || t == kTQ2_0; }
+// The formats whose products of many rows may take a kernel for 8 or 16 weight rows at
+// once in the file's layout (x86's grid_group_dot): the grid formats and the ternary ones.
+static KVP_ALWAYS_INLINE constexpr bool grouped_type(int t) {
+  return grid_type(t) || ternary_type(t);
+}
+
 // IQ4_NL's and IQ4_XS's 16 levels (a nibble picks one; ggml's kvalues_iq4nl): int8
 // values, so integer products take them as Q8_0's.
 static const int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -87,7 +96,7 @@ static KVP_ALWAYS_INLINE int iq4_xs_scale(const uint8_t* b, int j) {
 // Elements and bytes of one block.
 static KVP_ALWAYS_INLINE int block_elems(int t) {
   return (t == kQ2_K || t == kQ3_K || t == kQ4_K || t == kQ5_K || t == kQ6_K || t == kIQ4_XS ||
-          grid_type(t))
+          grouped_type(t))
              ? 256
          : (t == kF32 || t == kF16 || t == kBF16) ? 1 : 32;
 }
@@ -114,6 +123,8 @@ static KVP_ALWAYS_INLINE int block_bytes(int t) {
     case kIQ3_S: return 110;
     case kIQ1_S: return 50;
     case kIQ1_M: return 56;
+    case kTQ1_0: return 54;
+    case kTQ2_0: return 66;
     default: return 0;
   }
 }
@@ -157,6 +168,26 @@ static KVP_ALWAYS_INLINE uint16_t f32_to_bf16(float f) {
   uint32_t u;
   memcpy(&u, &f, 4);
   return f != f ? 0x7FC0 : (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The ternary formats' stored values q (0, 1, 2; the value is q - 1, times the block's d).
+// TQ2_0 (qs[64], d): value 32 c + m of unit 4 c + l (l < 4) is bits 2 l of qs[32 c + m],
+// 0 .. 3 (a 3 is read as 2, as ggml reads it). TQ1_0 (qs[48], qh[4], d): five values a
+// byte of qs, four a byte of qh, as base-3 digits of a fraction: digit n of byte b is
+// ((uint8_t)(b * 3^n) * 3) >> 8. Values 0..159: digit n = p / 32 of qs[p % 32]; 160..239:
+// digit n of qs[32 + p % 16] (n = (p - 160) / 16); 240..255: digit (p - 240) / 4 of
+// qh[p % 4].
+static KVP_ALWAYS_INLINE int trit(uint8_t b, int n) {
+  static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+  return ((int)(uint8_t)(b * pow3[n]) * 3) >> 8;
+}
+static KVP_ALWAYS_INLINE int tq1_value(const uint8_t* b, int p) {
+  if (p < 160) return trit(b[p % 32], p / 32);
+  if (p < 240) return trit(b[32 + p % 16], (p - 160) / 16);
+  return trit(b[48 + p % 4], (p - 240) / 4);
+}
+static KVP_ALWAYS_INLINE int tq2_value(const uint8_t* b, int p) {
+  return (b[32 * (p / 128) + p % 32] >> (2 * ((p / 32) % 4))) & 3;
 }
 
 // The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K block.
@@ -452,6 +483,16 @@ static KVP_ALWAYS_INLINE void dequantize_block(int t, const uint8_t* __restrict 
           y[i + 16] = dl * (float)kIQ4Levels[q[i] >> 4];
         }
       }
+      return;
+    }
+    case kTQ1_0: {  // qs[48], qh[4], d
+      const float d = read_fp16(b + 52);
+      for (int p = 0; p < 256; ++p) y[p] = d * (float)(tq1_value(b, p) - 1);
+      return;
+    }
+    case kTQ2_0: {  // qs[64], d
+      const float d = read_fp16(b + 64);
+      for (int p = 0; p < 256; ++p) y[p] = d * (float)(tq2_value(b, p) - 1);
       return;
     }
     default: dequantize_grid_block(t, b, y); return;  // the grid formats (or none)

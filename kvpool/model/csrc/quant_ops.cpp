@@ -378,8 +378,9 @@ at::Tensor quant_matmul(const at::Tensor& x_in, const std::vector<at::Tensor>& p
     any_int |= integer;
     any_float |= !integer && !bf16_tiles_for(p);
     any_bf16 |= !integer && bf16_tiles_for(p);
-    // (the packed kernels', and AVX-512's grid formats in the file's layout: grid_group_dot)
-    offsets |= integer && (p.packed || (grouped && kvp::grid_type(p.type))) &&
+    // (the packed kernels', and the grid and ternary formats in the file's layout on x86:
+    // grid_group_dot)
+    offsets |= integer && (p.packed || (grouped && kvp::grouped_type(p.type))) &&
                t->sums_from_offsets(p.type);
   }
   const auto x16 = any_bf16 ? x_in.to(at::kBFloat16).contiguous() : at::Tensor();
