@@ -174,9 +174,8 @@ def test_a_ternary_field_of_three_reads_as_two_in_every_kernel(variant):
 
     tid, k = TYPES["TQ2_0"][0], 512
     raw = blocks("TQ2_0", 16, k, seed=3)
-    raw.view(16, k // 256, 66)[:, :, :64] |= torch.tensor([0xC0, 0x03], dtype=torch.uint8).repeat(
-        32
-    )
+    threes = torch.tensor([0xC0, 0x03], dtype=torch.uint8).repeat(32)  # a field of 3 a byte
+    raw.view(16, k // 256, 66)[:, :, :64] |= threes
     values = ops.quant_dequantize(raw, tid, k, variant)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
