@@ -425,9 +425,9 @@ def test_packed_products_equal_the_row_kernels(qtype, variant):
     without packed kernels (generic, aarch64: they pack nothing) multiplies the packed
     layout by float tiles, as near its int8 row kernels as any float product.
     40 weight rows: two pairs of groups and an odd group (AVX-512 takes pairs in 512-bit
-    vectors); 37, 30 and 27 activation rows: passes of 32 (AVX2's Q6_K), 16, 8, 4, 3, 2 and
-    1 rows (from 32 rows, AVX-512 takes two units a row's visit: 25 units a row, for the
-    odd one left)."""
+    vectors); 37, 30 and 27 activation rows: passes of 32 and 16 (AVX2's kWide formats,
+    then its pair kernel's 4), 16, 8, 4, 3, 2 and 1 rows (from 32 rows, AVX-512 takes two
+    units a row's visit: 25 units a row, for the odd one left)."""
     tid = TYPES[qtype][0]
     k = 768 if TYPES[qtype][1] == 256 else 800
     raw = blocks(qtype, 40, k, seed=4)
