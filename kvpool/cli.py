@@ -99,6 +99,23 @@ def _bench(args: argparse.Namespace) -> int:
             )
         )
         return 0
+    if args.what == "products":
+        from pathlib import Path
+
+        from kvpool.bench import products
+
+        if args.base is None:
+            print("kvpool: bench products needs --base DIR (another kvpool tree)", file=sys.stderr)
+            return 2
+        print(
+            products.compare(
+                Path(args.base),
+                types=tuple(args.formats or products.DEFAULT_TYPES),
+                rows=tuple(args.batches or products.DEFAULT_ROWS),
+                threads=args.threads[0] if args.threads else None,
+            )
+        )
+        return 0
     if args.what == "synth-model":
         from pathlib import Path
 
@@ -182,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
             "cluster",
             "dashboard",
             "synth-model",
+            "products",
         ],
         help="cache: the block manager's own cost; model: the runtime beside transformers "
         "and llama.cpp; engine: workloads with prefix caching on/off and the static policy; "
@@ -191,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
         "kv-dtype: KV block dtypes' quality against float32 and capacity on a small budget; "
         "kv-tier: the second KV tier's time to first token and workloads with it on/off; "
         "grammar: llguidance beside xgrammar, and what constrained rows cost a batch; "
-        "dashboard: decode throughput with the live view polled or not",
+        "dashboard: decode throughput with the live view polled or not; products: the "
+        "native kernels' products beside another kvpool tree's, in one process",
     )
     bench.add_argument(
         "--requests", type=int, default=None,
@@ -248,12 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     bench.add_argument(
         "--batches", type=int, nargs="+", default=None, metavar="N",
-        help="model: decode batch sizes (default 1 8 32)",
+        help="model: decode batch sizes (default 1 8 32); products: activation rows",
     )  # fmt: skip
     bench.add_argument(
         "--threads", type=int, nargs="+", default=None, metavar="N",
         help="model: measure every side at each of these thread counts (default: one "
-        "thread a physical core); a table per count, then all counts side by side",
+        "thread a physical core); a table per count, then all counts side by side; "
+        "products: the threads both builds compute with (the first count)",
     )  # fmt: skip
     bench.add_argument("--preset", default="llama-3.2-1b", help="synth-model: the geometry")
     bench.add_argument(
@@ -263,6 +283,15 @@ def build_parser() -> argparse.ArgumentParser:
         "or TQ2_0",
     )
     bench.add_argument("--out", default="models", help="synth-model: the directory to write to")
+    bench.add_argument(
+        "--base", default=None, metavar="DIR",
+        help="products: another kvpool source tree (e.g. a git worktree of an older commit) "
+        "whose kernels are measured beside this tree's",
+    )  # fmt: skip
+    bench.add_argument(
+        "--formats", nargs="+", default=None, metavar="TYPE",
+        help="products: GGUF formats (default Q4_0 Q4_1 Q4_K Q5_K Q6_K Q8_0)",
+    )  # fmt: skip
     bench.add_argument("--api-key", default=None)
     bench.add_argument("--plot", default=None, metavar="PNG", help="engine: occupancy plot")
     bench.set_defaults(func=_bench)
