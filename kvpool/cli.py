@@ -107,14 +107,17 @@ def _bench(args: argparse.Namespace) -> int:
         if args.base is None:
             print("kvpool: bench products needs --base DIR (another kvpool tree)", file=sys.stderr)
             return 2
-        print(
-            products.compare(
+        try:
+            table = products.compare(
                 Path(args.base),
                 types=tuple(args.formats or products.DEFAULT_TYPES),
                 rows=tuple(args.batches or products.DEFAULT_ROWS),
                 threads=args.threads[0] if args.threads else None,
             )
-        )
+        except (ValueError, RuntimeError) as error:
+            print(f"kvpool: bench products: {error}", file=sys.stderr)
+            return 2
+        print(table)
         return 0
     if args.what == "synth-model":
         from pathlib import Path

@@ -63,3 +63,10 @@ def test_a_base_without_kvpool_sources_is_refused(tmp_path):
 def test_the_command_needs_a_base(capsys):
     assert main(["bench", "products"]) == 2
     assert "--base" in capsys.readouterr().err
+
+
+def test_the_command_says_what_is_wrong_with_its_base_or_formats(tmp_path, capsys):
+    assert main(["bench", "products", "--base", str(tmp_path)]) == 2
+    assert "no kvpool source tree" in capsys.readouterr().err
+    assert main(["bench", "products", "--base", str(REPO), "--formats", "Q9_9"]) == 2
+    assert "unknown formats" in capsys.readouterr().err

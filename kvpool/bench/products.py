@@ -96,6 +96,9 @@ def compare(
     from kvpool.model.cpu import cpu_features
     from kvpool.model.native import kernel_variant, native_ops
 
+    unknown = [t for t in types if t not in TYPES]
+    if unknown:  # (before the base's build, which may take a minute)
+        raise ValueError(f"unknown formats {unknown}; known: {', '.join(TYPES)}")
     here = native_ops()
     if here is None:
         raise RuntimeError("this tree's native ops are not built (a C++ compiler is needed)")
@@ -103,9 +106,6 @@ def compare(
     base_file = native_module_file(Path(base).resolve())
     theirs = here if base_file == here_file else load_module(base_file)
     variant = kernel_variant()  # (KVPOOL_CPU_FEATURES narrows it)
-    unknown = [t for t in types if t not in TYPES]
-    if unknown:
-        raise ValueError(f"unknown formats {unknown}; known: {', '.join(TYPES)}")
     if threads is not None:
         torch.set_num_threads(threads)
     lines = [
