@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
+
+import pytest
 
 # Tests run servers and clients side by side on few cores: OpenMP workers that never spin
 # cost the least there (set before torch is imported anywhere; kvpool then keeps it).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import pytest
+# What loads measured (kvpool.model.measured) is kept in a store of the test run's own,
+# shared by its processes: no test reads or writes the user's.
+_store = tempfile.mkdtemp(prefix="kvpool-tests-measured-")
+os.environ["KVPOOL_CACHE_DIR"] = _store
+atexit.register(shutil.rmtree, _store, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

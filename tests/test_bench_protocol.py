@@ -134,6 +134,40 @@ def test_a_sides_own_lines_reach_the_report(monkeypatch, capsys):
     assert capsys.readouterr().err == said
 
 
+def test_a_kvpool_side_loads_again_from_what_its_first_load_kept(monkeypatch, tmp_path):
+    """The kvpool side's process measures into a store of its own, empty (a first start's
+    load); a second process loads again from it (a restart's load), never from the user's
+    store; the table's "load again" row sets that beside the other side's load (it keeps
+    nothing between loads)."""
+    import subprocess
+
+    calls: list[tuple[str, str, str]] = []
+
+    def fake_run(args, **kw):
+        store = kw["env"]["KVPOOL_CACHE_DIR"]
+        assert not os.listdir(store) or args[3] == "reload"
+        calls.append((args[3], store, kw["env"]["KVPOOL_MEASURED"]))
+        out = '{"load_s": 0.5}' if args[3] == "reload" else '{"load_s": 4.0, "prefill_tok_s": 2}'
+        return subprocess.CompletedProcess(args, 0, out + "\n", "")
+
+    monkeypatch.setenv("KVPOOL_CACHE_DIR", str(tmp_path / "users"))
+    monkeypatch.setattr(model.subprocess, "run", fake_run)
+    got = model._child_side("kvpool", None, None, None)
+    assert got == {"load_s": 4.0, "prefill_tok_s": 2, "load_again_s": 0.5}
+    assert [c[0] for c in calls] == ["kvpool", "reload"] and calls[0][1:] == calls[1][1:]
+    assert calls[0][1] != str(tmp_path / "users") and calls[0][2] == "kept"
+    assert not os.path.exists(calls[0][1])  # (removed after the side)
+    medians = {
+        "kvpool": {"load_s": 4.0, "load_again_s": 0.5, "peak_rss_mib": 1.0},
+        "llama.cpp": {"load_s": 1.0, "peak_rss_mib": 1.0},
+    }
+    (tmp_path / "m.gguf").write_bytes(b"\0" * 1024)
+    table = model._table(tmp_path / "m.gguf", None, 1, 2, medians, ["llama.cpp"])
+    rows = {line[:24].strip(): line[24:].split() for line in table.splitlines()[3:-1]}
+    assert rows["load (s)"] == ["4.0", "1.0", "0.25x"]
+    assert rows["load again (s)"] == ["0.5", "1.0", "2.00x"]
+
+
 def test_the_policy_line_puts_each_kinds_fastest_mode_first():
     line = model.policy_line(
         {"decode <2 tokens": {"all": 56.3, "split": 73.7, "one": 100.7},

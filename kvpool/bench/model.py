@@ -8,7 +8,9 @@ float).
 
 Figures: load time (kvpool: ``load_model``, its dtype and crossover measurements
 included; llama.cpp: ``llama-server`` from its start to its first healthy answer, its
-warm-up included); prefill tokens/s for a 512-token prompt; decode tokens/s at batch 1, 8
+warm-up included); kvpool's load again, a restart's: its measurements taken from the
+first load's store (kvpool.model.measured), where the other sides load as before;
+prefill tokens/s for a 512-token prompt; decode tokens/s at batch 1, 8
 and 32 (100-token prompts, the time of the N decode steps after the first token, so
 prefill is not counted: for transformers, whose ``generate()`` does both, the time of
 N+1 generated tokens minus the time of 1); peak resident memory of the process. kvpool
@@ -41,6 +43,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import kvpool
@@ -202,9 +205,17 @@ def _transformers(dtype: str | None, model: str | None) -> dict[str, float]:
 
 
 def _measure_side(side: str, dtype: str | None, model: str | None) -> None:
-    """Child process: measure one side and print its figures as JSON."""
+    """Child process: measure one side and print its figures as JSON (``reload``: only
+    kvpool's load, taking what the side's load before it measured and kept)."""
     import torch
 
+    if side == "reload":
+        from kvpool.model.loader import load_model
+
+        t0 = time.perf_counter()
+        load_model(model, dtype=dtype, progress=False)
+        print(json.dumps({"load_s": time.perf_counter() - t0}))
+        return
     ours = side in ("kvpool", "no-openmp")
     figures = _ours(dtype, model) if ours else _transformers(dtype, model)
     figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -354,25 +365,54 @@ def _threads(n: int) -> str:
 
 def _child_side(side: str, dtype: str | None, model: str | None, threads: int | None) -> dict:
     """One side's figures from its own process; the lines it said about itself (kvpool:
-    its compute line, its thread policy's estimates) passed on to this one's stderr."""
-    out = subprocess.run(
-        [sys.executable, "-m", "kvpool.bench.model", side, dtype or "auto", model or ""],
-        capture_output=True, text=True, check=True, env=_side_env(side, threads),
-    )  # fmt: skip
+    its compute line, its thread policy's estimates) passed on to this one's stderr.
+
+    A kvpool side measures its load-time choices into a store of its own (empty: its
+    ``load_s`` is a first start's), then a second process loads again from that store:
+    ``load_again_s``, a restart's load (kvpool.model.measured); the user's store is
+    neither read nor written."""
+    ours = side in ("kvpool", "no-openmp")
+    env = _side_env(side, threads)
+    with tempfile.TemporaryDirectory(prefix="kvpool-bench-measured-") as store:
+        if ours:
+            env.update(KVPOOL_CACHE_DIR=store, KVPOOL_MEASURED="kept")
+
+        def child(name: str) -> subprocess.CompletedProcess:
+            return subprocess.run(
+                [sys.executable, "-m", "kvpool.bench.model", name, dtype or "auto", model or ""],
+                capture_output=True, text=True, check=True, env=env,
+            )  # fmt: skip
+
+        out = child(side)
+        again = json.loads(child("reload").stdout.strip().splitlines()[-1]) if ours else {}
     for line in out.stderr.splitlines():
         if line.startswith("bench model: "):
             print(line, file=sys.stderr, flush=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    if "load_s" in again:
+        figures["load_again_s"] = again["load_s"]
+    return figures
 
 
 def _labels(kvpool_figures: dict[str, float]) -> list[tuple[str, str, bool]]:
     """(figure, label, higher is better) in the tables' order."""
-    labels = [("load_s", "load (s)", False), ("prefill_tok_s", f"prefill {PREFILL} tok/s", True)]
+    labels = [("load_s", "load (s)", False)]
+    if "load_again_s" in kvpool_figures:  # (the other sides keep nothing: load_s again)
+        labels += [("load_again_s", "load again (s)", False)]
+    labels += [("prefill_tok_s", f"prefill {PREFILL} tok/s", True)]
     labels += [(f"decode_b{b}_tok_s", f"decode batch {b} tok/s", True) for b in BATCHES]
     labels += [("peak_rss_mib", "peak memory (MiB)", False)]
     if "peak_gpu_mib" in kvpool_figures:
         labels += [("peak_gpu_mib", "peak GPU memory (MiB)", False)]
     return labels
+
+
+def _figure(figures: dict[str, float], key: str) -> float:
+    """A side's figure, nan where it has none; a side that keeps nothing between loads
+    (llama.cpp, transformers) loads again as it loaded."""
+    if key == "load_again_s" and key not in figures:
+        key = "load_s"
+    return figures.get(key, float("nan"))
 
 
 def _ratio(ours: float, theirs: float, higher_better: bool) -> float:
@@ -393,7 +433,7 @@ def _table(path, dtype, rounds: int, threads: int, medians: dict, against: list[
         a = medians["kvpool"].get(key, float("nan"))
         row = f"{label:<24}{a:>10.1f}"
         for side in against:
-            b = medians[side].get(key, float("nan"))
+            b = _figure(medians[side], key)
             row += f"{b:>14.1f}{_ratio(a, b, higher_better):>7.2f}x"
         lines.append(row)
     lines.append(
@@ -415,7 +455,7 @@ def _threads_table(counts: list[int], medians: dict, other: str | None) -> str:
             a = medians[n, "kvpool"].get(key, float("nan"))
             text = f"{a:.1f}"
             if other:
-                b = medians[n, other].get(key, float("nan"))
+                b = _figure(medians[n, other], key)
                 text = f"{_ratio(a, b, higher_better):.2f}x ({a:.1f})"
             row += f"{text:>{cell}}"
         lines.append(row)

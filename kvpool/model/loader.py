@@ -32,6 +32,7 @@ from kvpool.model.gguf_weights import (
 )
 from kvpool.model.int4_products import FOUR_BIT, Int4Linear, int4_unavailable
 from kvpool.model.llama import LlamaModel, can_prepack
+from kvpool.model.measured import MeasuredStore, load_key
 from kvpool.model.native import kernel_variant, native_ops, unavailable_reason
 from kvpool.model.products import (
     BF16_TILES,
@@ -104,6 +105,8 @@ class LoadedModel:
     dtype_seconds: dict[str, float] | None = None  # measured decode step per dtype
     # matrices of quantized types the kernels do not read, dequantized at load: by type
     dequantized: dict[str, int] = field(default_factory=dict)
+    # where choices came from an earlier load's measurements (kvpool.model.measured)
+    measured_note: str | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -126,6 +129,8 @@ class LoadedModel:
             if self.dequantized:  # formats the kernels do not read
                 kinds = ", ".join(f"{n} {t}" for t, n in sorted(self.dequantized.items()))
                 line += f"; matrices dequantized at load: {kinds}"
+            if self.measured_note:
+                line += f"; {self.measured_note}"
             return line
         if device.type == "cpu" and unavailable_reason() is not None:
             line += f"; torch's path, no native kernels ({unavailable_reason()})"
@@ -230,18 +235,38 @@ def median_of_alternating(steps: dict[Any, Callable[[], float]]) -> dict[Any, fl
     return medians
 
 
-def _choose_crossover(products: ProductPolicy, model: LlamaModel, dtype: torch.dtype) -> None:
+def _choose_crossover(
+    products: ProductPolicy,
+    model: LlamaModel,
+    dtype: torch.dtype,
+    store: MeasuredStore | None = None,
+) -> None:
     """Where int8 products hand over to dequantized tiles (bf16 tiles where the CPU has
     bf16 products in hardware and the model computes in bf16): measured on one of the
     model's own products at load, unless ``KVPOOL_INT8_MAX_ROWS`` sets it ("all": int8
     at every size). A model with matrices in both the packed layout and the file's (Q5_1,
     which has no packed layout, beside packed formats) gets a crossover for each, measured
-    on the first layer's first matrix of each layout; others one, measured on ``o``."""
+    on the first layer's first matrix of each layout; others one, measured on ``o``.
+    Taken from ``store`` where an earlier load of this key measured it."""
     products.tiles = BF16_TILES if dtype == torch.bfloat16 and can_prepack() else FLOAT
     forced = os.environ.get("KVPOOL_INT8_MAX_ROWS")
     if forced is not None:
         products.int8_max_rows = None if forced == "all" else int(forced)
         return
+    names = ("int8_max_rows", "file_int8_max_rows", "file_crossover")
+    kind = f"crossover {dtype} tiles {products.tiles}"
+    kept = store.get(kind, names) if store is not None else None
+    if kept is not None:
+        for name in names:
+            setattr(products, name, kept[name])
+        return
+    _measure_crossover(products, model)
+    if store is not None:
+        store.put(kind, {name: getattr(products, name) for name in names})
+
+
+def _measure_crossover(products: ProductPolicy, model: LlamaModel) -> None:
+    """``_choose_crossover``'s measuring."""
     layer = model.layers[0]
     linears = [
         x for x in (layer.o, layer.qkv, layer.gate_up, layer.down) if isinstance(x, QuantLinear)
@@ -256,7 +281,9 @@ def _choose_crossover(products: ProductPolicy, model: LlamaModel, dtype: torch.d
     products.file_crossover = True
 
 
-def _choose_one_row(products: ProductPolicy, model: LlamaModel) -> None:
+def _choose_one_row(
+    products: ProductPolicy, model: LlamaModel, store: MeasuredStore | None = None
+) -> None:
     """How a step of few rows reads its weights, where there is a choice: the packed
     kernel for one row (AVX-512's: a pair of groups in 512-bit vectors, or one group in
     256-bit ones; the same results bit for bit), and how far ahead passes of few rows ask
@@ -265,7 +292,8 @@ def _choose_one_row(products: ProductPolicy, model: LlamaModel) -> None:
     faster on an AMX Xeon and 1.3-1.5x slower on Zen 4, which runs a 512-bit operation as
     two halves; 8 KiB ahead took 0.85x the time of 2 on Zen 5, whose cores stream three
     times an AMX Xeon's rate (docs/performance.md). ``KVPOOL_ONE_ROW`` ("wide",
-    "narrow") and ``KVPOOL_READ_AHEAD`` ("near", "far") set them."""
+    "narrow") and ``KVPOOL_READ_AHEAD`` ("near", "far") set them; where neither is set,
+    ``store`` keeps what was measured for the next load of this key."""
     forced = os.environ.get("KVPOOL_ONE_ROW")
     if forced is not None:
         kinds = {"wide": ONE_ROW_WIDE, "narrow": ONE_ROW_NARROW}
@@ -292,6 +320,29 @@ def _choose_one_row(products: ProductPolicy, model: LlamaModel) -> None:
     candidates = [(width, far) for width in widths for far in aheads]
     if len(candidates) == 1:
         return
+    if forced is not None or forced_ahead is not None:
+        store = None  # (a forced half: the other's measurement depends on it)
+    names = ("one_row", "far_ahead", "one_row_ms", "ahead_ms")
+    kind = f"one row {model.dtype}"
+    kept = store.get(kind, names) if store is not None else None
+    if kept is not None:
+        for name in names:  # (JSON gives the figures back as lists)
+            value = kept[name]
+            setattr(products, name, tuple(value) if isinstance(value, list) else value)
+        return
+    _measure_one_row(products, model, widths, aheads, candidates)
+    if store is not None:
+        store.put(kind, {name: getattr(products, name) for name in names})
+
+
+def _measure_one_row(
+    products: ProductPolicy,
+    model: LlamaModel,
+    widths: list[int],
+    aheads: list[bool],
+    candidates: list[tuple[int, bool]],
+) -> None:
+    """``_choose_one_row``'s measuring: each candidate's batch-1 steps, alternating."""
     step = _decode_stepper(model, len(candidates) * (DTYPE_ROUNDS + 1))
 
     def with_reads(width: int, far: bool) -> Callable[[], float]:
@@ -343,8 +394,18 @@ def load_model(
     on_gpu = dev.type == "cuda"
     gpu_before = torch.cuda.memory_allocated(dev) if on_gpu else 0
     bar = Progress(f"loading {path.name}", len(header.tensors)) if progress else None
+    # earlier loads' measurements of this file on this machine and build (measured.py)
+    store = MeasuredStore(load_key(path, kernel_variant(), batch_invariant)) if ops else None
+    kept = None
+    if store is not None and dtype is None:
+        kept = store.get("dtype", ("chosen", "bfloat16", "float32"))
+        if kept is not None and kept["chosen"] not in ("bfloat16", "float32"):
+            kept = None
+    if kept is not None:
+        torch_dtype = DTYPES[kept["chosen"]]
     try:
-        measure = dtype is None and ops is not None  # the compute dtype, by measurement
+        # the compute dtype, by measurement (unless kept from an earlier load)
+        measure = dtype is None and ops is not None and kept is None
         # float32 asked for: the exact reference, float products only (no packed layout)
         exact = torch_dtype == torch.float32 and dtype is not None and not batch_invariant
         # without kvpool's kernels (a GPU, a CPU where they did not build), 4-bit matrices
@@ -379,23 +440,30 @@ def load_model(
         fast = times[torch.float32] < times[torch.bfloat16] / BF16_MARGIN
         torch_dtype = torch.float32 if fast else torch.bfloat16
         model = candidates.pop(torch_dtype)
-        ((other, other_model),) = candidates.items()
-        del other_model, candidates
-        choice = (
-            f"{torch_dtype}: measured {times[torch_dtype] * 1e3:.1f} ms a batch-1 decode "
-            f"step vs {times[other] * 1e3:.1f} ms in {other} ({cpu_features().summary()}; "
-            "both with int8 products)"
-        )
+        del candidates
+        seconds = {str(c).removeprefix("torch."): t for c, t in times.items()}
+        if store is not None:
+            store.put("dtype", {"chosen": str(torch_dtype).removeprefix("torch."), **seconds})
     else:
         products = ProductPolicy(exact=exact, variant=kernel_variant(), fixed=batch_invariant)
         model = LlamaModel(config, weights, dev, torch_dtype, products)
+    if measure or kept is not None:
+        if kept is not None:
+            seconds = {name: kept[name] for name in ("bfloat16", "float32")}
+        chosen = str(torch_dtype).removeprefix("torch.")
+        (other,) = (name for name in seconds if name != chosen)
+        choice = (
+            f"torch.{chosen}: measured {seconds[chosen] * 1e3:.1f} ms a batch-1 decode "
+            f"step vs {seconds[other] * 1e3:.1f} ms in torch.{other} "
+            f"({cpu_features().summary()}; both with int8 products)"
+        )
     weights.clear()
     _release_heap_memory()
     fixed = model.products.exact or model.products.fixed
     if not fixed and isinstance(model.layers[0].o, QuantLinear):
-        _choose_crossover(model.products, model, torch_dtype)
+        _choose_crossover(model.products, model, torch_dtype, store)
     if not model.products.exact and isinstance(model.layers[0].o, QuantLinear):
-        _choose_one_row(model.products, model)
+        _choose_one_row(model.products, model, store)
     model.source_path = Path(path)
     if on_gpu:  # what the model holds there (device_memory sizes the KV pool with it)
         model.device_bytes = torch.cuda.memory_allocated(dev) - gpu_before
@@ -404,8 +472,10 @@ def load_model(
     )
     if ops is not None:
         loaded.dequantized = dequantized_types(header, KEPT_QUANTIZED)
-    if measure:
-        loaded.dtype_seconds = {str(c).removeprefix("torch."): t for c, t in times.items()}
+    if measure or kept is not None:
+        loaded.dtype_seconds = seconds
+    if store is not None:
+        loaded.measured_note = store.provenance()
     if progress:
         print(loaded.describe(), file=sys.stderr)
     return loaded
