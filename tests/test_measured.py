@@ -26,29 +26,30 @@ def store_env(tmp_path: Path, monkeypatch) -> Path:
 
 def test_a_kept_record_comes_back_with_its_fields(store_env: Path):
     store = MeasuredStore(KEY)
-    assert store.get("dtype", ("chosen",)) is None and store.provenance() is None
+    assert store.get("dtype", {"chosen": (str,)}) is None and store.provenance() is None
     store.put("dtype", {"chosen": "bfloat16", "bfloat16": 0.01, "float32": 0.02})
     assert store.path.parent == store_env == store_dir()
     again = MeasuredStore(dict(KEY))
-    got = again.get("dtype", ("chosen", "bfloat16"))
+    got = again.get("dtype", {"chosen": (str,), "bfloat16": (float,)})
     assert got is not None and got["chosen"] == "bfloat16" and got["float32"] == 0.02
-    assert again.get("dtype", ("missing",)) is None  # a record without a field asked for
-    assert again.get("one row", ()) is None  # a kind never kept
+    assert again.get("dtype", {"missing": (str,)}) is None  # without a field asked for
+    assert again.get("dtype", {"chosen": (float,)}) is None  # a field of another type
+    assert again.get("one row", {}) is None  # a kind never kept
     assert "kept in" in again.provenance() and "KVPOOL_MEASURED=again" in again.provenance()
     # another kind beside it keeps the first
     again.put("one row", {"one_row": 2})
-    assert MeasuredStore(KEY).get("dtype", ("chosen",)) is not None
+    assert MeasuredStore(KEY).get("dtype", {"chosen": (str,)}) is not None
 
 
 def test_another_key_reads_nothing(store_env: Path):
     MeasuredStore(KEY).put("dtype", {"chosen": "float32"})
     for change in ({"size": 3}, {"mtime_ns": 4}, {"file": "/n.gguf"}):
-        assert MeasuredStore({**KEY, **change}).get("dtype", ()) is None
+        assert MeasuredStore({**KEY, **change}).get("dtype", {}) is None
     # a file at this key's name holding another key's records (a digest's collision)
     store = MeasuredStore({**KEY, "size": 5})
     other = json.loads(MeasuredStore(KEY).path.read_text())
     store.path.write_text(json.dumps(other))
-    assert store.get("dtype", ()) is None
+    assert store.get("dtype", {}) is None
 
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"key": 1, "kinds": 2}', ""])
@@ -56,9 +57,9 @@ def test_a_damaged_record_is_measured_again_and_replaced(store_env: Path, text: 
     store = MeasuredStore(KEY)
     store_env.mkdir(parents=True)
     store.path.write_text(text)
-    assert store.get("dtype", ()) is None
+    assert store.get("dtype", {}) is None
     store.put("dtype", {"chosen": "float32"})
-    assert MeasuredStore(KEY).get("dtype", ("chosen",))["chosen"] == "float32"
+    assert MeasuredStore(KEY).get("dtype", {"chosen": (str,)})["chosen"] == "float32"
 
 
 def test_a_store_that_cannot_be_written_costs_nothing_but_time(tmp_path: Path, monkeypatch):
@@ -67,21 +68,21 @@ def test_a_store_that_cannot_be_written_costs_nothing_but_time(tmp_path: Path, m
     monkeypatch.setenv("KVPOOL_CACHE_DIR", str(blocker))  # its measured/ cannot be made
     store = MeasuredStore(KEY)
     store.put("dtype", {"chosen": "float32"})  # no exception
-    assert store.get("dtype", ()) is None
+    assert store.get("dtype", {}) is None
 
 
 def test_the_modes(store_env: Path, monkeypatch):
     MeasuredStore(KEY).put("dtype", {"chosen": "float32"})
     monkeypatch.setenv("KVPOOL_MEASURED", "again")  # measures, and replaces what is kept
     again = MeasuredStore(KEY)
-    assert again.get("dtype", ()) is None
+    assert again.get("dtype", {}) is None
     again.put("dtype", {"chosen": "bfloat16"})
     monkeypatch.setenv("KVPOOL_MEASURED", "off")  # reads and keeps nothing
     off = MeasuredStore(KEY)
-    assert off.get("dtype", ()) is None
+    assert off.get("dtype", {}) is None
     off.put("dtype", {"chosen": "float16"})
     monkeypatch.delenv("KVPOOL_MEASURED")
-    assert MeasuredStore(KEY).get("dtype", ("chosen",))["chosen"] == "bfloat16"
+    assert MeasuredStore(KEY).get("dtype", {"chosen": (str,)})["chosen"] == "bfloat16"
     monkeypatch.setenv("KVPOOL_MEASURED", "sometimes")
     with pytest.raises(ValueError, match="KVPOOL_MEASURED"):
         MeasuredStore(KEY)
@@ -171,6 +172,29 @@ def test_the_next_load_takes_what_the_first_measured(tmp_path: Path, store_env, 
     calls.clear()
     asked = loader.load_model(None, dtype="bfloat16", progress=False)
     assert calls == [] and asked.dtype_seconds is None
+
+
+def test_a_load_measures_again_what_a_damaged_record_holds(store_env, monkeypatch):
+    """Records that parse but hold the wrong things (edited by hand, another version's)
+    are measured again, and the load goes on."""
+    if _native() is None:
+        pytest.skip("the native kernels did not build: nothing is measured at load")
+    from kvpool.model import loader
+
+    for name in ("KVPOOL_INT8_MAX_ROWS", "KVPOOL_ONE_ROW", "KVPOOL_READ_AHEAD"):
+        monkeypatch.delenv(name, raising=False)
+    first = loader.load_model(None, progress=False)
+    (path,) = store_env.glob("*.json")
+    data = json.loads(path.read_text())
+    for record in data["kinds"].values():
+        for name in record:
+            if name != "measured_at":
+                record[name] = "wide"  # every figure and choice of a type it never has
+    path.write_text(json.dumps(data))
+    calls = _spy_measuring(monkeypatch)
+    again = loader.load_model(None, progress=False)
+    assert "steps" in calls and "crossover" in calls and again.measured_note is None
+    assert first.measured_note is None and again.dtype_seconds is not None
 
 
 def test_forced_choices_are_neither_taken_nor_kept(tmp_path: Path, store_env, monkeypatch):

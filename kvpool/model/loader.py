@@ -253,7 +253,8 @@ def _choose_crossover(
     if forced is not None:
         products.int8_max_rows = None if forced == "all" else int(forced)
         return
-    names = ("int8_max_rows", "file_int8_max_rows", "file_crossover")
+    rows = (int, type(None))
+    names = {"int8_max_rows": rows, "file_int8_max_rows": rows, "file_crossover": (bool,)}
     kind = f"crossover {dtype} tiles {products.tiles}"
     kept = store.get(kind, names) if store is not None else None
     if kept is not None:
@@ -322,7 +323,8 @@ def _choose_one_row(
         return
     if forced is not None or forced_ahead is not None:
         store = None  # (a forced half: the other's measurement depends on it)
-    names = ("one_row", "far_ahead", "one_row_ms", "ahead_ms")
+    pair = (list, type(None))  # (JSON's form of the measured pairs)
+    names = {"one_row": (int,), "far_ahead": (bool,), "one_row_ms": pair, "ahead_ms": pair}
     kind = f"one row {model.dtype}"
     kept = store.get(kind, names) if store is not None else None
     if kept is not None:
@@ -381,7 +383,11 @@ def load_model(
     products are computed alone, in a fixed order); the runner then sends every token
     through the native ``paged_attention``, whose rows do not depend on chunking either.
     It costs the tiles' speed on large steps where a CPU has it, and float32's exact
-    products."""
+    products.
+
+    What the load measures (the dtype, the crossovers, the single row's kernel and
+    read-ahead) is kept for the next load of the file on this machine and build, which
+    takes it instead (``kvpool.model.measured``)."""
     path = resolve_model_path(name)
     dev = choose_device(device)
     torch_dtype = choose_dtype(dtype, dev)
@@ -398,7 +404,7 @@ def load_model(
     store = MeasuredStore(load_key(path, kernel_variant(), batch_invariant)) if ops else None
     kept = None
     if store is not None and dtype is None:
-        kept = store.get("dtype", ("chosen", "bfloat16", "float32"))
+        kept = store.get("dtype", {"chosen": (str,), "bfloat16": (float,), "float32": (float,)})
         if kept is not None and kept["chosen"] not in ("bfloat16", "float32"):
             kept = None
     if kept is not None:

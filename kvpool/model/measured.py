@@ -122,12 +122,15 @@ class MeasuredStore:
         kinds = data.get("kinds")
         return kinds if isinstance(kinds, dict) else {}
 
-    def get(self, kind: str, fields: tuple[str, ...]) -> dict[str, Any] | None:
-        """The kept record of ``kind``, if it has every one of ``fields``."""
+    def get(self, kind: str, fields: dict[str, tuple[type, ...]]) -> dict[str, Any] | None:
+        """The kept record of ``kind``, if each of ``fields`` is in it with one of its
+        types (a record edited or damaged by hand is measured again)."""
         if self.mode != "kept":
             return None
         record = self._read().get(kind)
-        if not isinstance(record, dict) or any(f not in record for f in fields):
+        if not isinstance(record, dict):
+            return None
+        if not all(isinstance(record.get(f, ...), types) for f, types in fields.items()):
             return None
         if not isinstance(record.get("measured_at"), (int, float)):
             return None
