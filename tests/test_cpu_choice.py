@@ -110,14 +110,14 @@ def test_choices_follow_the_cpu(narrowed):
     if got["variant"].startswith("avx512"):
         wide, narrow = got["one_row_ms"]
         assert got["one_row"] == (ONE_ROW_WIDE if wide <= narrow else ONE_ROW_NARROW)
-        assert f"batch-1 step {wide:.1f} ms in 512-bit" in got["line"]
+        assert f"batch-1 products {wide:.1f} ms in 512-bit" in got["line"]
     else:
         assert got["one_row"] == ONE_ROW_OWN and got["one_row_ms"] is None
     # how far ahead passes of few rows ask for their weights: measured where they ask (x86)
     if got["variant"].startswith(("avx512", "avx2")):
         near, far = got["ahead_ms"]
         assert got["far_ahead"] == (far < near)
-        assert f"KiB ahead (batch-1 step {near:.1f} ms at 2 KiB" in got["line"]
+        assert f"KiB ahead (batch-1 products {near:.1f} ms at 2 KiB" in got["line"]
     else:
         assert not got["far_ahead"] and got["ahead_ms"] is None
 

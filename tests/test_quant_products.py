@@ -224,7 +224,7 @@ def test_a_policy_with_a_crossover_for_the_files_layout_encodes_both_kinds():
     both.one_row, both.one_row_ms = ONE_ROW_NARROW, (4.5, 3.25)
     assert both.mode(1) == INT8 | (1 + INT8) << 2 | ONE_ROW_NARROW << 4 | GROUPED
     assert both.mode(200) == BF16_TILES | (1 + BF16_TILES) << 2 | ONE_ROW_NARROW << 4 | GROUPED
-    assert "one row in 256-bit vectors (batch-1 step 4.5 ms in 512-bit, 3.2 in 256-bit)" in (
+    assert "one row in 256-bit vectors (batch-1 products 4.5 ms in 512-bit, 3.2 in 256-bit)" in (
         both.describe()
     )
     both.exact = True
@@ -235,16 +235,47 @@ def test_a_policy_with_a_crossover_for_the_files_layout_encodes_both_kinds():
     # reading further ahead changes no result: a batch-invariant policy takes it too
     fixed.far_ahead, fixed.ahead_ms = True, (21.5, 19.25)
     assert [fixed.mode(rows) for rows in (1, 200)] == [INT8 | FAR_AHEAD, INT8 | FAR_AHEAD]
-    assert "weights asked for 8 KiB ahead (batch-1 step 21.5 ms at 2 KiB, 19.2 at 8 KiB)" in (
+    assert "weights asked for 8 KiB ahead (batch-1 products 21.5 ms at 2 KiB, 19.2 at 8 KiB)" in (
         fixed.describe()
     )
+
+
+def test_the_single_rows_measure_reads_layers_spread_through_the_model(monkeypatch):
+    """The single row's choice is measured on a batch-1 step's products: the head's and
+    those of layers spread evenly through the model, enough to read ``PROBE_BYTES`` (every
+    layer where the model holds less), their time scaled to every layer."""
+    import kvpool.model.loader as loader
+    from kvpool.model.products import QuantLinear
+
+    model = loader.load_model(None, dtype="bfloat16", progress=False).model
+    if not isinstance(model.layers[0].o, QuantLinear):
+        pytest.skip("the native kernels did not build: the products are torch's")
+    owner = {id(p): i for i in range(len(model.layers)) for p in model.layer_products(i)}
+    owner[id(model.lm_head)] = "head"
+    called: list = []
+    real = QuantLinear.__call__
+
+    def spy(self, x):
+        assert x.shape == (1, self.cols) and x.dtype == model.dtype  # one row, as decoding
+        called.append(owner[id(self)])
+        return real(self, x)
+
+    monkeypatch.setattr(QuantLinear, "__call__", spy)
+    layers = len(model.layers)
+    average = sum(p.nbytes for i in range(layers) for p in model.layer_products(i)) / layers
+    for probe_bytes, expected in ((2**40, range(layers)), (1, [0]), (3 * average, [0, 10, 20])):
+        monkeypatch.setattr(loader, "PROBE_BYTES", probe_bytes)
+        called.clear()
+        assert loader._products_stepper(model)() > 0
+        assert called[-1] == "head" and called.count("head") == 1
+        assert sorted(set(called[:-1])) == list(expected)
 
 
 def test_a_single_rows_kernel_is_measured_where_there_are_two_or_set(monkeypatch):
     """AVX-512's packed kernels read one activation row as pairs of groups in 512-bit
     vectors or one group in 256-bit ones, and x86's passes of few rows ask for their
-    weights 2 or 8 KiB ahead (the same bits: the products tests): the load measures
-    batch-1 decode steps with each and keeps the fastest (test_cpu_choice checks the
+    weights 2 or 8 KiB ahead (the same bits: the products tests): the load measures a
+    batch-1 step's products with each and keeps the fastest (test_cpu_choice checks the
     choice); ``KVPOOL_ONE_ROW`` and ``KVPOOL_READ_AHEAD`` set them; a variant with one
     kernel measures no width, the generic variant no read-ahead."""
     from kvpool.model.loader import load_model
@@ -256,7 +287,7 @@ def test_a_single_rows_kernel_is_measured_where_there_are_two_or_set(monkeypatch
     assert products.one_row == ONE_ROW_NARROW and products.far_ahead
     assert products.one_row_ms is None and products.ahead_ms is None
     line = loaded.compute_line()
-    assert "one row in 256-bit vectors" in line and "batch-1 step" not in line
+    assert "one row in 256-bit vectors" in line and "batch-1 products" not in line
     assert "weights asked for 8 KiB ahead" in line
     assert products.mode(1) & FAR_AHEAD
     monkeypatch.setenv("KVPOOL_ONE_ROW", "widest")

@@ -301,6 +301,10 @@ class LlamaModel:
         """The head's product and every layer's (experts' included)."""
         return [self.lm_head, *(p for layer in self.layers for p in _products(layer))]
 
+    def layer_products(self, index: int) -> list[Any]:
+        """Every matrix product of layer ``index`` (experts' included)."""
+        return _products(self.layers[index])
+
     @property
     def windows(self) -> list[int]:
         """Each layer's window (0: global)."""

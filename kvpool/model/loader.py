@@ -10,6 +10,7 @@ halves the KV);
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import statistics
 import sys
@@ -56,6 +57,9 @@ BF16_MARGIN = 1.1
 # ending after 3 once one dtype's median step is 1.5x the other's.
 DTYPE_ROUNDS, DTYPE_CLEAR_AFTER, DTYPE_CLEAR = 9, 3, 1.5
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The single row's choice is measured on products reading at least this many bytes of a
+# step's layers (_products_stepper): more than any CPU's cache holds.
+PROBE_BYTES = 256 << 20
 
 
 def choose_device(name: str | None = None) -> torch.device:
@@ -209,6 +213,39 @@ def _decode_stepper(model: LlamaModel, steps: int, context: int = 8) -> Callable
     return step
 
 
+def _products_stepper(model: LlamaModel) -> Callable[[], float]:
+    """A timed pass of a batch-1 decode step's quantized products per call, scaled to
+    the whole step: layers spread evenly through the model whose weights reach
+    ``PROBE_BYTES`` (every layer of a smaller model), their time times the model's layers
+    over theirs, plus the head's. What the single row's kernel and read-ahead are
+    decided by: it reads as many bytes from memory as a step of a large model would
+    reach beyond any cache, it leaves out the step's other ops, which neither choice
+    changes, and on an 8B-class model it takes a fraction of a whole step's time
+    (docs/performance.md, fiftieth session)."""
+    per_layer = [
+        [p for p in model.layer_products(i) if isinstance(p, QuantLinear)]
+        for i in range(len(model.layers))
+    ]
+    average = sum(p.nbytes for ps in per_layer for p in ps) / len(per_layer)
+    count = min(len(per_layer), max(1, math.ceil(PROBE_BYTES / max(average, 1))))
+    layers = [p for i in range(count) for p in per_layer[i * len(per_layer) // count]]
+    scale = len(per_layer) / count
+    head = [model.lm_head] if isinstance(model.lm_head, QuantLinear) else []
+    rows = {p.cols: torch.randn(1, p.cols, dtype=model.dtype) for p in [*layers, *head]}
+
+    @torch.inference_mode()
+    def step() -> float:
+        begin = time.perf_counter()
+        for product in layers:
+            product(rows[product.cols])
+        middle = time.perf_counter()
+        for product in head:
+            product(rows[product.cols])
+        return (middle - begin) * scale + time.perf_counter() - middle
+
+    return step
+
+
 def median_of_alternating(steps: dict[Any, Callable[[], float]]) -> dict[Any, float]:
     """Each candidate's median step time, the candidates' steps alternating one by one
     (a round: one step of each; the first round is not counted: it pays the first
@@ -288,13 +325,14 @@ def _choose_one_row(
     """How a step of few rows reads its weights, where there is a choice: the packed
     kernel for one row (AVX-512's: a pair of groups in 512-bit vectors, or one group in
     256-bit ones; the same results bit for bit), and how far ahead passes of few rows ask
-    for their weights (x86: 2 or 8 KiB; the same results). Batch-1 decode steps of the
-    model with each combination, alternating, the fastest kept: the pair kernel read
-    faster on an AMX Xeon and 1.3-1.5x slower on Zen 4, which runs a 512-bit operation as
-    two halves; 8 KiB ahead took 0.85x the time of 2 on Zen 5, whose cores stream three
-    times an AMX Xeon's rate (docs/performance.md). ``KVPOOL_ONE_ROW`` ("wide",
-    "narrow") and ``KVPOOL_READ_AHEAD`` ("near", "far") set them; where neither is set,
-    ``store`` keeps what was measured for the next load of this key."""
+    for their weights (x86: 2 or 8 KiB; the same results). A batch-1 step's products
+    (``_products_stepper``) with each combination, alternating, the fastest kept: the
+    pair kernel read faster on an AMX Xeon and 1.3-1.5x slower on Zen 4, which runs a
+    512-bit operation as two halves; 8 KiB ahead took 0.85x the time of 2 on Zen 5,
+    whose cores stream three times an AMX Xeon's rate (docs/performance.md).
+    ``KVPOOL_ONE_ROW`` ("wide", "narrow") and ``KVPOOL_READ_AHEAD`` ("near", "far") set
+    them; where neither is set, ``store`` keeps what was measured for the next load of
+    this key."""
     forced = os.environ.get("KVPOOL_ONE_ROW")
     if forced is not None:
         kinds = {"wide": ONE_ROW_WIDE, "narrow": ONE_ROW_NARROW}
@@ -325,7 +363,7 @@ def _choose_one_row(
         store = None  # (a forced half: the other's measurement depends on it)
     pair = (list, type(None))  # (JSON's form of the measured pairs)
     names = {"one_row": (int,), "far_ahead": (bool,), "one_row_ms": pair, "ahead_ms": pair}
-    kind = f"one row {model.dtype}"
+    kind = f"one row products {model.dtype}"
     kept = store.get(kind, names) if store is not None else None
     if kept is not None:
         for name in names:  # (JSON gives the figures back as lists)
@@ -344,8 +382,9 @@ def _measure_one_row(
     aheads: list[bool],
     candidates: list[tuple[int, bool]],
 ) -> None:
-    """``_choose_one_row``'s measuring: each candidate's batch-1 steps, alternating."""
-    step = _decode_stepper(model, len(candidates) * (DTYPE_ROUNDS + 1))
+    """``_choose_one_row``'s measuring: each candidate's batch-1 step products
+    (``_products_stepper``), alternating."""
+    step = _products_stepper(model)
 
     def with_reads(width: int, far: bool) -> Callable[[], float]:
         def timed() -> float:

@@ -2,10 +2,9 @@
 machine: the compute dtype (``dtype=None``), the int8/tiles crossovers, and how a
 batch-1 step reads its weights (the single row's kernel, the read-ahead).
 
-Measuring them runs some 60 batch-1 decode steps and a few products, most of a large
-model's load time on a machine whose memory is not slow to touch (docs/performance.md),
-paid again on every start of ``kvpool serve`` or ``kvpool generate`` although nothing
-they depend on changed.
+Measuring them runs batch-1 decode steps and products, much of a large model's load
+time (docs/performance.md), paid again on every start of ``kvpool serve`` or ``kvpool
+generate`` although nothing they depend on changed.
 
 A record is kept under a key of everything the figures depend on, so that a change to any
 of them measures again: the file (resolved path, size, modification time); the build

@@ -77,9 +77,9 @@ class ProductPolicy:
     file_crossover: bool = False
     file_int8_max_rows: int | None = None
     one_row: int = ONE_ROW_OWN
-    one_row_ms: tuple[float, float] | None = None  # measured: (wide, narrow) a decode step
+    one_row_ms: tuple[float, float] | None = None  # measured: (wide, narrow) a step's products
     far_ahead: bool = False
-    ahead_ms: tuple[float, float] | None = None  # measured: (near, far) a decode step
+    ahead_ms: tuple[float, float] | None = None  # measured: (near, far) a step's products
 
     def _kind(self, rows: int, crossover: int | None) -> int:
         if crossover is None or rows <= crossover:
@@ -133,12 +133,12 @@ class ProductPolicy:
             what += f"; one row in {width}"
             if self.one_row_ms is not None:
                 wide, narrow = self.one_row_ms
-                what += f" (batch-1 step {wide:.1f} ms in 512-bit, {narrow:.1f} in 256-bit)"
+                what += f" (batch-1 products {wide:.1f} ms in 512-bit, {narrow:.1f} in 256-bit)"
         if self.far_ahead or self.ahead_ms is not None:
             what += f"; weights asked for {READ_AHEAD_KIB[self.far_ahead]} KiB ahead"
             if self.ahead_ms is not None:
                 near, far = self.ahead_ms
-                what += f" (batch-1 step {near:.1f} ms at 2 KiB, {far:.1f} at 8 KiB)"
+                what += f" (batch-1 products {near:.1f} ms at 2 KiB, {far:.1f} at 8 KiB)"
         return f"{what} ({kernels})"
 
 
