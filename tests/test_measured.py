@@ -34,10 +34,11 @@ def test_a_kept_record_comes_back_with_its_fields(store_env: Path):
     assert got is not None and got["chosen"] == "bfloat16" and got["float32"] == 0.02
     assert again.get("dtype", {"missing": (str,)}) is None  # without a field asked for
     assert again.get("dtype", {"chosen": (float,)}) is None  # a field of another type
-    assert again.get("one row", {}) is None  # a kind never kept
+    assert again.get("single row: x", {}) is None  # a kind never kept
+    assert again.provenance().startswith("dtype as measured at a load on ")
     assert "kept in" in again.provenance() and "KVPOOL_MEASURED=again" in again.provenance()
     # another kind beside it keeps the first
-    again.put("one row", {"one_row": 2})
+    again.put("single row: x", {"one_row": 2})
     assert MeasuredStore(KEY).get("dtype", {"chosen": (str,)}) is not None
 
 
@@ -161,6 +162,7 @@ def test_the_next_load_takes_what_the_first_measured(tmp_path: Path, store_env, 
     assert _choices(second) == _choices(first)
     note = second.measured_note
     assert note is not None and str(store_env) in note
+    assert note.startswith("dtype, crossover, single row as measured at a load on")
     assert second.compute_line() == f"{first.compute_line()}; {note}"
     # asked for again: measured again, and kept
     monkeypatch.setenv("KVPOOL_MEASURED", "again")
@@ -213,7 +215,7 @@ def test_forced_choices_are_neither_taken_nor_kept(tmp_path: Path, store_env, mo
         assert not loaded.model.products.far_ahead and loaded.measured_note is None
     kept = list(store_env.glob("*.json"))
     kinds = [k for f in kept for k in json.loads(f.read_text())["kinds"]]
-    assert not any(k.startswith(("crossover", "one row")) for k in kinds)
+    assert not any(k.startswith(("crossover", "single row")) for k in kinds)
     from kvpool.model.native import kernel_variant
 
     if kernel_variant().startswith(("avx512", "avx2")):  # a choice there: measured twice

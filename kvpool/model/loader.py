@@ -292,7 +292,7 @@ def _choose_crossover(
         return
     rows = (int, type(None))
     names = {"int8_max_rows": rows, "file_int8_max_rows": rows, "file_crossover": (bool,)}
-    kind = f"crossover {dtype} tiles {products.tiles}"
+    kind = f"crossover: {dtype} tiles {products.tiles}"
     kept = store.get(kind, names) if store is not None else None
     if kept is not None:
         for name in names:
@@ -363,7 +363,7 @@ def _choose_one_row(
         store = None  # (a forced half: the other's measurement depends on it)
     pair = (list, type(None))  # (JSON's form of the measured pairs)
     names = {"one_row": (int,), "far_ahead": (bool,), "one_row_ms": pair, "ahead_ms": pair}
-    kind = f"one row products {model.dtype}"
+    kind = f"single row: {model.dtype}, its products"
     kept = store.get(kind, names) if store is not None else None
     if kept is not None:
         for name in names:  # (JSON gives the figures back as lists)

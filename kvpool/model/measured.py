@@ -56,6 +56,7 @@ SPEED_SETTINGS = (
 
 
 def mode() -> str:
+    """``KVPOOL_MEASURED``'s mode (``kept`` where unset); a ValueError names the modes."""
     value = os.environ.get("KVPOOL_MEASURED", "kept")
     if value not in MODES:
         raise ValueError(f"KVPOOL_MEASURED: one of {', '.join(MODES)}, not {value!r}")
@@ -102,14 +103,16 @@ def load_key(path: Path, variant: str, batch_invariant: bool) -> dict[str, Any]:
 class MeasuredStore:
     """The records of one load's key. ``get(kind, fields)``: a kept record (a dict, with
     ``measured_at``, seconds since the epoch) or None; ``put(kind, record)`` keeps one.
-    Both do nothing under ``KVPOOL_MEASURED=off``; ``get`` returns None under ``again``."""
+    Both do nothing under ``KVPOOL_MEASURED=off``; ``get`` returns None under ``again``.
+    A kind's name is its label for the load's line, then ``:`` and what sets it apart
+    (``crossover: torch.bfloat16 ...``)."""
 
-    def __init__(self, key: dict[str, Any], how: str | None = None) -> None:
+    def __init__(self, key: dict[str, Any]) -> None:
         self.key = key
-        self.mode = how or mode()
+        self.mode = mode()
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
         self.path = store_dir() / f"{digest[:24]}.json"
-        self.taken: list[str] = []  # the kinds this load took from the store
+        self.taken: dict[str, float] = {}  # the kinds this load took, and when measured
 
     def _read(self) -> dict[str, Any]:
         try:
@@ -133,7 +136,7 @@ class MeasuredStore:
             return None
         if not isinstance(record.get("measured_at"), (int, float)):
             return None
-        self.taken.append(kind)
+        self.taken[kind] = record["measured_at"]
         return record
 
     def put(self, kind: str, record: dict[str, Any]) -> None:
@@ -142,6 +145,7 @@ class MeasuredStore:
         kinds = self._read()
         kinds[kind] = {**record, "measured_at": time.time()}
         text = json.dumps({"key": self.key, "kinds": kinds}, indent=1, sort_keys=True)
+        tmp = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # written whole, then renamed: a reader never sees half a record
@@ -149,18 +153,18 @@ class MeasuredStore:
             with os.fdopen(fd, "w") as out:
                 out.write(text)
             os.replace(tmp, self.path)
-        except OSError:
-            return  # (a read-only home: the next load measures again)
+        except OSError:  # (a read-only home, a full disk: the next load measures again)
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
 
     def provenance(self) -> str | None:
-        """A clause for the load's report where any choice came from the store: when
-        it was measured and how to measure again; None where all were measured now."""
+        """A clause for the load's line where choices came from the store: which, when
+        they were measured, and how to measure again; None where all were measured now."""
         if not self.taken:
             return None
-        kinds = self._read()
-        when = min(kinds[k]["measured_at"] for k in self.taken if k in kinds)
-        stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(when))
+        labels = list(dict.fromkeys(kind.partition(":")[0] for kind in self.taken))
+        stamp = time.strftime("%Y-%m-%d %H:%M", time.localtime(min(self.taken.values())))
         return (
-            f"measured at a load on {stamp} and kept in {self.path.parent} "
-            "(KVPOOL_MEASURED=again measures again)"
+            f"{', '.join(labels)} as measured at a load on {stamp}, kept in "
+            f"{self.path.parent} (KVPOOL_MEASURED=again measures again)"
         )
