@@ -72,6 +72,25 @@ def test_a_store_that_cannot_be_written_costs_nothing_but_time(tmp_path: Path, m
     assert store.get("dtype", {}) is None
 
 
+def test_without_a_home_nothing_is_kept_and_nothing_fails(monkeypatch, tmp_path: Path):
+    """No cache directory set and no home to put one in (a container's user without a
+    passwd entry): every load measures, and none fails for it."""
+    monkeypatch.delenv("KVPOOL_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("KVPOOL_MEASURED", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory")
+
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    assert store_dir() is None
+    monkeypatch.chdir(tmp_path)
+    store = MeasuredStore(KEY)
+    store.put("dtype", {"chosen": "float32"})
+    assert store.get("dtype", {}) is None and store.provenance() is None
+    assert list(tmp_path.iterdir()) == []  # (nothing written where it runs either)
+
+
 def test_the_modes(store_env: Path, monkeypatch):
     MeasuredStore(KEY).put("dtype", {"chosen": "float32"})
     monkeypatch.setenv("KVPOOL_MEASURED", "again")  # measures, and replaces what is kept

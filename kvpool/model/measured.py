@@ -63,13 +63,17 @@ def mode() -> str:
     return value
 
 
-def store_dir() -> Path:
-    """Where the records are kept (``KVPOOL_CACHE_DIR``/measured)."""
-    base = os.environ.get("KVPOOL_CACHE_DIR")
-    if base:
-        return Path(base).expanduser() / "measured"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    root = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+def store_dir() -> Path | None:
+    """Where the records are kept (``KVPOOL_CACHE_DIR``/measured); None where there is
+    no such place (no cache directory set and no home directory: a container's user)."""
+    try:
+        base = os.environ.get("KVPOOL_CACHE_DIR")
+        if base:
+            return Path(base).expanduser() / "measured"
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        root = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    except RuntimeError:  # (Path.home, expanduser: "Could not determine home directory")
+        return None
     return root / "kvpool" / "measured"
 
 
@@ -111,7 +115,10 @@ class MeasuredStore:
         self.key = key
         self.mode = mode()
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-        self.path = store_dir() / f"{digest[:24]}.json"
+        where = store_dir()
+        if where is None:  # nowhere to keep anything: as KVPOOL_MEASURED=off
+            self.mode, where = "off", Path()
+        self.path = where / f"{digest[:24]}.json"
         self.taken: dict[str, float] = {}  # the kinds this load took, and when measured
 
     def _read(self) -> dict[str, Any]:
