@@ -37,6 +37,7 @@ and alternating lets both sides meet them alike.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -373,9 +374,10 @@ def _child_side(side: str, dtype: str | None, model: str | None, threads: int | 
     neither read nor written."""
     ours = side in ("kvpool", "no-openmp")
     env = _side_env(side, threads)
-    with tempfile.TemporaryDirectory(prefix="kvpool-bench-measured-") as store:
-        if ours:
-            env.update(KVPOOL_CACHE_DIR=store, KVPOOL_MEASURED="kept")
+    kept = tempfile.TemporaryDirectory(prefix="kvpool-bench-measured-") if ours else None
+    with kept or contextlib.nullcontext():
+        if kept is not None:
+            env.update(KVPOOL_CACHE_DIR=kept.name, KVPOOL_MEASURED="kept")
 
         def child(name: str) -> subprocess.CompletedProcess:
             return subprocess.run(

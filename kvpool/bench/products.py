@@ -35,6 +35,7 @@ from kvpool.bench.random_blocks import TYPES, random_blocks
 from kvpool.model.gguf_weights import PACKED
 from kvpool.model.products import GROUPED, INT8
 
+MODE = INT8 | GROUPED  # int8 products, the kernels for many rows allowed
 SHAPES = ((8192, 2048), (2048, 8192))  # (rows, cols): a 1B-class MLP's up and down
 DEFAULT_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q8_0")
 DEFAULT_ROWS = (1, 8, 32)
@@ -125,12 +126,12 @@ def compare(
                 for side, ops in (("base", theirs), ("this", here)):
                     start = time.perf_counter()
                     for raw, tid, k in weights:
-                        ops.quant_matmul(xs[k], [raw], [tid], INT8 | GROUPED, variant, True)
+                        ops.quant_matmul(xs[k], [raw], [tid], MODE, variant, True)
                     best[side] = min(best[side], time.perf_counter() - start)
             equal = all(
                 torch.equal(
-                    theirs.quant_matmul(xs[k], [raw], [tid], INT8 | GROUPED, variant, True),
-                    here.quant_matmul(xs[k], [raw], [tid], INT8 | GROUPED, variant, True),
+                    theirs.quant_matmul(xs[k], [raw], [tid], MODE, variant, True),
+                    here.quant_matmul(xs[k], [raw], [tid], MODE, variant, True),
                 )
                 for raw, tid, k in weights
             )

@@ -291,16 +291,31 @@ def _choose_crossover(
         products.int8_max_rows = None if forced == "all" else int(forced)
         return
     rows = (int, type(None))
-    names = {"int8_max_rows": rows, "file_int8_max_rows": rows, "file_crossover": (bool,)}
-    kind = f"crossover: {dtype} tiles {products.tiles}"
-    kept = store.get(kind, names) if store is not None else None
+    fields = {"int8_max_rows": rows, "file_int8_max_rows": rows, "file_crossover": (bool,)}
+    _kept_or_measured(
+        store, f"crossover: {dtype} tiles {products.tiles}", products, fields,
+        lambda: _measure_crossover(products, model),
+    )  # fmt: skip
+
+
+def _kept_or_measured(
+    store: MeasuredStore | None,
+    kind: str,
+    products: ProductPolicy,
+    fields: dict[str, tuple[type, ...]],
+    measure: Callable[[], None],
+) -> None:
+    """Sets ``fields`` of ``products`` from ``store``'s record of ``kind``, or runs
+    ``measure`` (which sets them) and keeps what it set (no store: measures)."""
+    kept = store.get(kind, fields) if store is not None else None
     if kept is not None:
-        for name in names:
-            setattr(products, name, kept[name])
+        for name in fields:  # (JSON gives pairs back as lists)
+            value = kept[name]
+            setattr(products, name, tuple(value) if isinstance(value, list) else value)
         return
-    _measure_crossover(products, model)
+    measure()
     if store is not None:
-        store.put(kind, {name: getattr(products, name) for name in names})
+        store.put(kind, {name: getattr(products, name) for name in fields})
 
 
 def _measure_crossover(products: ProductPolicy, model: LlamaModel) -> None:
@@ -362,17 +377,11 @@ def _choose_one_row(
     if forced is not None or forced_ahead is not None:
         store = None  # (a forced half: the other's measurement depends on it)
     pair = (list, type(None))  # (JSON's form of the measured pairs)
-    names = {"one_row": (int,), "far_ahead": (bool,), "one_row_ms": pair, "ahead_ms": pair}
-    kind = f"single row: {model.dtype}, its products"
-    kept = store.get(kind, names) if store is not None else None
-    if kept is not None:
-        for name in names:  # (JSON gives the figures back as lists)
-            value = kept[name]
-            setattr(products, name, tuple(value) if isinstance(value, list) else value)
-        return
-    _measure_one_row(products, model, widths, aheads, candidates)
-    if store is not None:
-        store.put(kind, {name: getattr(products, name) for name in names})
+    fields = {"one_row": (int,), "far_ahead": (bool,), "one_row_ms": pair, "ahead_ms": pair}
+    _kept_or_measured(
+        store, f"single row: {model.dtype}, its products", products, fields,
+        lambda: _measure_one_row(products, model, widths, aheads, candidates),
+    )  # fmt: skip
 
 
 def _measure_one_row(
