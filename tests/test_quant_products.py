@@ -271,6 +271,50 @@ def test_the_single_rows_measure_reads_layers_spread_through_the_model(monkeypat
         assert sorted(set(called[:-1])) == list(expected)
 
 
+def test_the_single_rows_measure_runs_the_experts_a_token_runs(tmp_path, monkeypatch):
+    """Of a mixture of experts the products measure runs what one token runs in a layer:
+    its attention's products and ``used`` experts' (of 8, 2: the first and the fifth),
+    not every expert's (which read 4x the bytes of a step's experts here, and of
+    Qwen3-30B-A3B's 128, 8 used, 16x)."""
+    import kvpool.model.loader as loader
+    from kvpool.model.products import QuantLinear
+    from tests.synthetic_gguf import EXPERTS, USED, write_model
+    from tests.test_synthetic_models import MIXES
+
+    path = write_model(tmp_path / "moe.gguf", "qwen3moe", MIXES["k-quants"], seed=4)
+    model = loader.load_model(str(path), dtype="bfloat16", progress=False).model
+    layer = model.layers[0]
+    if not isinstance(layer.o, QuantLinear):
+        pytest.skip("the native kernels did not build: the products are torch's")
+    names = {id(model.lm_head): "head"}
+    for i, layer in enumerate(model.layers):
+        names |= {id(layer.qkv): f"{i} qkv", id(layer.o): f"{i} o"}
+        for e in range(EXPERTS):
+            names[id(layer.experts.gate_up[e])] = f"{i} gate_up {e}"
+            names[id(layer.experts.down[e])] = f"{i} down {e}"
+    called: list = []
+    real = QuantLinear.__call__
+
+    def spy(self, x):
+        called.append(names[id(self)])
+        return real(self, x)
+
+    monkeypatch.setattr(QuantLinear, "__call__", spy)
+    monkeypatch.setattr(loader, "PROBE_BYTES", 2**40)  # every layer
+    assert loader._products_stepper(model)() > 0
+    chosen = [e * EXPERTS // USED for e in range(USED)]
+    want = [
+        name
+        for i in range(len(model.layers))
+        for name in (
+            f"{i} qkv",
+            f"{i} o",
+            *(f"{i} {part} {e}" for e in chosen for part in ("gate_up", "down")),
+        )
+    ]
+    assert called == [*want, "head"] and chosen == [0, 4]
+
+
 def test_a_single_rows_kernel_is_measured_where_there_are_two_or_set(monkeypatch):
     """AVX-512's packed kernels read one activation row as pairs of groups in 512-bit
     vectors or one group in 256-bit ones, and x86's passes of few rows ask for their

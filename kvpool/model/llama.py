@@ -305,6 +305,22 @@ class LlamaModel:
         """Every matrix product of layer ``index`` (experts' included)."""
         return _products(self.layers[index])
 
+    def step_products(self, index: int) -> list[Any]:
+        """The matrix products one token runs in layer ``index``: all of them, but of a
+        mixture of experts only ``used`` experts' (spread evenly over them: which ones a
+        token takes is the router's, and every expert is the same shape and format)."""
+        layer = self.layers[index]
+        if layer.experts is None:
+            return _products(layer)
+        experts = layer.experts
+        count = len(experts.gate_up)
+        chosen = [e * count // experts.used for e in range(min(experts.used, count))]
+        return [
+            layer.qkv,
+            layer.o,
+            *(p for e in chosen for p in (experts.gate_up[e], experts.down[e])),
+        ]
+
     @property
     def windows(self) -> list[int]:
         """Each layer's window (0: global)."""

@@ -217,13 +217,14 @@ def _products_stepper(model: LlamaModel) -> Callable[[], float]:
     """A timed pass of a batch-1 decode step's quantized products per call, scaled to
     the whole step: layers spread evenly through the model whose weights reach
     ``PROBE_BYTES`` (every layer of a smaller model), their time times the model's layers
-    over theirs, plus the head's. What the single row's kernel and read-ahead are
-    decided by: it reads as many bytes from memory as a step of a large model would
-    reach beyond any cache, it leaves out the step's other ops, which neither choice
-    changes, and on an 8B-class model it takes a fraction of a whole step's time
-    (docs/performance.md, fiftieth session)."""
+    over theirs, plus the head's; of a mixture of experts, a layer's products are those
+    one token runs (``step_products``: ``used`` of its experts). What the single row's
+    kernel and read-ahead are decided by: it reads as many bytes from memory as a step of
+    a large model would reach beyond any cache, it leaves out the step's other ops, which
+    neither choice changes, and on an 8B-class model it takes a fraction of a whole
+    step's time (docs/performance.md, fiftieth session)."""
     per_layer = [
-        [p for p in model.layer_products(i) if isinstance(p, QuantLinear)]
+        [p for p in model.step_products(i) if isinstance(p, QuantLinear)]
         for i in range(len(model.layers))
     ]
     average = sum(p.nbytes for ps in per_layer for p in ps) / len(per_layer)
