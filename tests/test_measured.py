@@ -203,6 +203,33 @@ def test_the_next_load_takes_what_the_first_measured(tmp_path: Path, store_env, 
     assert calls == [] and asked.dtype_seconds is None
 
 
+def test_a_load_says_what_it_measures_and_a_kept_load_says_nothing(store_env, monkeypatch, capsys):
+    """The measuring comes after the loading bar has ended (seconds on an 8B model): a
+    line on stderr as each starts, saying it is kept; a load that takes them from the
+    store says none; under ``KVPOOL_MEASURED=off`` the lines do not promise keeping."""
+    if _native() is None:
+        pytest.skip("the native kernels did not build: nothing is measured at load")
+    from kvpool.model import loader
+
+    for name in ("KVPOOL_INT8_MAX_ROWS", "KVPOOL_ONE_ROW", "KVPOOL_READ_AHEAD"):
+        monkeypatch.delenv(name, raising=False)
+    capsys.readouterr()
+    first = loader.load_model(None, progress=True)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("measuring ")]
+    kinds = ["dtype", "crossover"]
+    if first.model.products.one_row_ms or first.model.products.ahead_ms:  # (x86's)
+        kinds.append("single row")
+    once = " (once: kept for the next load)..."
+    assert lines == [f"measuring {loader.MEASURING[k]}{once}" for k in kinds]
+    loader.load_model(None, progress=True)
+    err = capsys.readouterr().err
+    assert "measuring " not in err and "as measured at a load on" in err
+    monkeypatch.setenv("KVPOOL_MEASURED", "off")
+    loader.load_model(None, progress=True)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("measuring ")]
+    assert lines == [f"measuring {loader.MEASURING[k]}..." for k in kinds]
+
+
 def test_a_load_measures_again_what_a_damaged_record_holds(store_env, monkeypatch):
     """Records that parse but hold the wrong things (edited by hand, another version's)
     are measured again, and the load goes on."""

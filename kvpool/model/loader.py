@@ -60,6 +60,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # The single row's choice is measured on products reading at least this many bytes of a
 # step's layers (_products_stepper): more than any CPU's cache holds.
 PROBE_BYTES = 256 << 20
+# What the load says as each of its measurements starts (by the kind kept in measured.py)
+MEASURING = {
+    "dtype": "the compute dtype: bf16 against float32 in batch-1 decode steps",
+    "crossover": "where int8 products hand over to dequantized tiles",
+    "single row": "the single row's kernel and read-ahead on a batch-1 step's products",
+}
 
 
 def choose_device(name: str | None = None) -> torch.device:
@@ -278,6 +284,7 @@ def _choose_crossover(
     model: LlamaModel,
     dtype: torch.dtype,
     store: MeasuredStore | None = None,
+    say: Callable[[str, bool], None] | None = None,
 ) -> None:
     """Where int8 products hand over to dequantized tiles (bf16 tiles where the CPU has
     bf16 products in hardware and the model computes in bf16): measured on one of the
@@ -295,7 +302,7 @@ def _choose_crossover(
     fields = {"int8_max_rows": rows, "file_int8_max_rows": rows, "file_crossover": (bool,)}
     _kept_or_measured(
         store, f"crossover: {dtype} tiles {products.tiles}", products, fields,
-        lambda: _measure_crossover(products, model),
+        lambda: _measure_crossover(products, model), say,
     )  # fmt: skip
 
 
@@ -305,18 +312,27 @@ def _kept_or_measured(
     products: ProductPolicy,
     fields: dict[str, tuple[type, ...]],
     measure: Callable[[], None],
+    say: Callable[[str, bool], None] | None = None,
 ) -> None:
     """Sets ``fields`` of ``products`` from ``store``'s record of ``kind``, or runs
-    ``measure`` (which sets them) and keeps what it set (no store: measures)."""
+    ``measure`` (which sets them, after ``say`` told of it) and keeps what it set (no
+    store: measures)."""
     kept = store.get(kind, fields) if store is not None else None
     if kept is not None:
         for name in fields:  # (JSON gives pairs back as lists)
             value = kept[name]
             setattr(products, name, tuple(value) if isinstance(value, list) else value)
         return
+    if say is not None:
+        say(kind.partition(":")[0], _keeps(store))
     measure()
     if store is not None:
         store.put(kind, {name: getattr(products, name) for name in fields})
+
+
+def _keeps(store: MeasuredStore | None) -> bool:
+    """Whether what a load measures now is kept for the next."""
+    return store is not None and store.mode != "off"
 
 
 def _measure_crossover(products: ProductPolicy, model: LlamaModel) -> None:
@@ -336,7 +352,10 @@ def _measure_crossover(products: ProductPolicy, model: LlamaModel) -> None:
 
 
 def _choose_one_row(
-    products: ProductPolicy, model: LlamaModel, store: MeasuredStore | None = None
+    products: ProductPolicy,
+    model: LlamaModel,
+    store: MeasuredStore | None = None,
+    say: Callable[[str, bool], None] | None = None,
 ) -> None:
     """How a step of few rows reads its weights, where there is a choice: the packed
     kernel for one row (AVX-512's: a pair of groups in 512-bit vectors, or one group in
@@ -381,7 +400,7 @@ def _choose_one_row(
     fields = {"one_row": (int,), "far_ahead": (bool,), "one_row_ms": pair, "ahead_ms": pair}
     _kept_or_measured(
         store, f"single row: {model.dtype}, its products", products, fields,
-        lambda: _measure_one_row(products, model, widths, aheads, candidates),
+        lambda: _measure_one_row(products, model, widths, aheads, candidates), say,
     )  # fmt: skip
 
 
@@ -458,6 +477,14 @@ def load_model(
             kept = None
     if kept is not None:
         torch_dtype = DTYPES[kept["chosen"]]
+
+    def say(kind: str, keeping: bool) -> None:
+        """A line on stderr as a measurement starts: seconds of batch-1 steps on a large
+        model, after the loading bar has ended."""
+        if progress:
+            once = " (once: kept for the next load)" if keeping else ""
+            print(f"measuring {MEASURING[kind]}{once}...", file=sys.stderr, flush=True)
+
     try:
         # the compute dtype, by measurement (unless kept from an earlier load)
         measure = dtype is None and ops is not None and kept is None
@@ -482,6 +509,7 @@ def load_model(
     why = "asked for" if dtype is not None else "the device's default"
     choice = f"{torch_dtype} ({why})"
     if measure:
+        say("dtype", _keeps(store))
         # Measured: the same blocks under each compute dtype (the dense 1-D tensors are
         # converted per model; the quantized matrices are shared, never copied).
         candidates = {}
@@ -516,9 +544,9 @@ def load_model(
     _release_heap_memory()
     fixed = model.products.exact or model.products.fixed
     if not fixed and isinstance(model.layers[0].o, QuantLinear):
-        _choose_crossover(model.products, model, torch_dtype, store)
+        _choose_crossover(model.products, model, torch_dtype, store, say)
     if not model.products.exact and isinstance(model.layers[0].o, QuantLinear):
-        _choose_one_row(model.products, model, store)
+        _choose_one_row(model.products, model, store, say)
     model.source_path = Path(path)
     if on_gpu:  # what the model holds there (device_memory sizes the KV pool with it)
         model.device_bytes = torch.cuda.memory_allocated(dev) - gpu_before
