@@ -79,9 +79,11 @@ def ollama_blob_for(name: str, models_dir: Path | None = None) -> Path | None:
     raise ModelNotFound(f"the Ollama manifest {manifest} has no model layer")
 
 
-def resolve_model_path(name: str | None) -> Path:
+def resolve_model_path(name: str | os.PathLike[str] | None) -> Path:
     """A model name to its GGUF file: the built-in default (``None``), a path to a
-    ``.gguf`` file, or a model in the local Ollama store (``llama3.2:1b``)."""
+    ``.gguf`` file (a ``Path`` too), or a model in the local Ollama store (``llama3.2:1b``)."""
+    if name is not None:
+        name = os.fspath(name)
     if name is None or name.lower() in DEFAULT_ALIASES:
         return default_model_path()
     path = Path(name).expanduser()

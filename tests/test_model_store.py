@@ -34,6 +34,7 @@ def test_path_resolves(tmp_path: Path):
     f = tmp_path / "m.gguf"
     f.write_bytes(b"GGUF")
     assert resolve_model_path(str(f)) == f
+    assert resolve_model_path(f) == f  # a Path as the Python API's users pass one
 
 
 def test_ollama_store_resolves_like_ollama(tmp_path: Path, monkeypatch):

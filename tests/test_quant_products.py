@@ -282,7 +282,7 @@ def test_the_single_rows_measure_runs_the_experts_a_token_runs(tmp_path, monkeyp
     from tests.test_synthetic_models import MIXES
 
     path = write_model(tmp_path / "moe.gguf", "qwen3moe", MIXES["k-quants"], seed=4)
-    model = loader.load_model(str(path), dtype="bfloat16", progress=False).model
+    model = loader.load_model(path, dtype="bfloat16", progress=False).model
     layer = model.layers[0]
     if not isinstance(layer.o, QuantLinear):
         pytest.skip("the native kernels did not build: the products are torch's")

@@ -8,6 +8,7 @@ print(out[0].text, out[0].cached_prompt_tokens)
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | None = None,
+        model: str | os.PathLike[str] | None = None,
         *,
         config: EngineConfig | None = None,
         dtype: str | None = None,

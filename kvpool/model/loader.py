@@ -432,7 +432,7 @@ def _measure_one_row(
 
 
 def load_model(
-    name: str | None = None,
+    name: str | os.PathLike[str] | None = None,
     *,
     dtype: str | None = None,
     device: str | None = None,
