@@ -152,6 +152,30 @@ def test_bad_model_names_and_keep_alive(two_model_server):
     assert _loaded(proc.url) == ["smollm2:135m"]
 
 
+def test_a_damaged_model_file_is_a_400_and_the_server_goes_on(two_model_server, tmp_path):
+    """A file cut short (a partial download) or one whose tensor directory disagrees
+    with its metadata, asked for by path: a 400 in Ollama's shape saying what is wrong,
+    nothing loaded, and the served model answers as before."""
+    proc, path = two_model_server
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    r = httpx.post(f"{proc.url}/api/generate", json={"model": str(cut), "prompt": "x"})
+    assert r.status_code == 400, r.text
+    assert "cannot be loaded" in r.json()["error"] and "a partial download?" in r.json()["error"]
+    name = b"blk.0.ffn_norm.weight"
+    damaged = tmp_path / "renamed.gguf"
+    damaged.write_bytes(data.replace(name, name[:-1] + b"X", 1))
+    r = httpx.post(f"{proc.url}/api/generate", json={"model": str(damaged), "prompt": "x"})
+    assert r.status_code == 400 and "no tensor 'blk.0.ffn_norm.weight'" in r.json()["error"]
+    assert _loaded(proc.url) == ["smollm2:135m"]
+    r = httpx.post(
+        f"{proc.url}/api/generate",
+        json={"model": "smollm2", "prompt": "Hi", "stream": False, "options": {"num_predict": 2}},
+    )
+    assert r.status_code == 200 and r.json()["done"], r.text
+
+
 def test_pull_answers_for_what_the_server_can_serve_and_loads_nothing(two_model_server):
     """``ollama.pull`` (which the ``ollama`` CLI's ``run`` and many scripts call before
     a model's first use): ``success`` for the started model and for a file the server

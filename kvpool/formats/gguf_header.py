@@ -4,10 +4,16 @@ Reads the header of a GGUF file (format versions 2 and 3): the key/value metadat
 each tensor, its name, shape, ggml type, byte size and offset. Tensor data is not read.
 Arrays of strings (the vocabulary) are read in one pass; ``skip_arrays`` skips their
 contents for callers that only need the model's geometry.
+
+A damaged or crafted file (a partial download, flipped bytes) raises ``GGUFFormatError``
+with the byte it stopped at, never another exception: every length and count is checked
+against the bytes left in the file before anything of that size is read or allocated,
+and each tensor's data must lie inside the file.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +21,7 @@ from typing import Any, BinaryIO
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
 
 # ggml tensor types: id -> (name, elements per block, bytes per block)
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -126,19 +133,40 @@ class GGUFHeader:
 
 
 class _Reader:
-    def __init__(self, f: BinaryIO) -> None:
+    def __init__(self, f: BinaryIO, size: int) -> None:
         self.f = f
+        self.size = size  # the file's bytes
+
+    def left(self) -> int:
+        return self.size - self.f.tell()
+
+    def need(self, n: int, what: str) -> None:
+        """Raises unless ``n`` bytes of ``what`` are left in the file."""
+        if n > self.left():
+            raise GGUFFormatError(
+                f"{what} of {n} bytes at byte {self.f.tell()} runs past the end of the file "
+                f"({self.size} bytes)"
+            )
 
     def unpack(self, fmt: str) -> Any:
         size = struct.calcsize(fmt)
         data = self.f.read(size)
         if len(data) != size:
-            raise GGUFFormatError("unexpected end of file in the GGUF header")
+            raise GGUFFormatError(
+                f"unexpected end of file in the GGUF header (byte {self.f.tell()})"
+            )
         return struct.unpack(fmt, data)[0]
 
     def string(self) -> str:
         n = self.unpack("<Q")
+        self.need(n, "a string")
         return self.f.read(n).decode("utf-8", errors="replace")
+
+    def count(self, least_bytes: int, what: str) -> int:
+        """A count of items, each at least ``least_bytes`` long in the file."""
+        n = self.unpack("<Q")
+        self.need(n * least_bytes, f"{n} {what}")
+        return n
 
     def value(self, vtype: int, skip_arrays: bool) -> Any:
         if vtype in _SCALARS:
@@ -149,7 +177,10 @@ class _Reader:
             return self.string()
         if vtype == _ARRAY:
             etype = self.unpack("<I")
-            count = self.unpack("<Q")
+            least = {_BOOL: 1, _STRING: 8, _ARRAY: 12}.get(etype) or struct.calcsize(
+                _SCALARS.get(etype, "<B")
+            )
+            count = self.count(least, "array items")
             if etype in _SCALARS:
                 fmt = _SCALARS[etype]
                 size = struct.calcsize(fmt)
@@ -164,8 +195,14 @@ class _Reader:
                 out = []
                 read, unpack = self.f.read, struct.unpack
                 for _ in range(count):
-                    (n,) = unpack("<Q", read(8))
-                    raw = read(n)
+                    head = read(8)
+                    n = unpack("<Q", head)[0] if len(head) == 8 else -1
+                    raw = read(n) if 0 <= n <= self.size else b""  # (a bounded read)
+                    if len(raw) != n:
+                        raise GGUFFormatError(
+                            f"a string in an array at byte {self.f.tell()} runs past the "
+                            f"end of the file ({self.size} bytes)"
+                        )
                     if not skip_arrays:
                         out.append(raw.decode("utf-8", errors="replace"))
                 return None if skip_arrays else out
@@ -174,28 +211,60 @@ class _Reader:
 
 
 def read_gguf_header(path: str | Path, *, skip_arrays: bool = False) -> GGUFHeader:
-    """Parse a GGUF file's metadata and tensor directory (not the tensor data)."""
+    """Parse a GGUF file's metadata and tensor directory (not the tensor data). Raises
+    ``GGUFFormatError`` for a file that is not one, or is damaged: a header that runs past
+    the end of the file, a tensor of more than 4 dimensions, of a type this reader does
+    not know, whose rows are not whole blocks, or whose data lies (partly) outside it."""
     path = Path(path)
     with path.open("rb") as f:
-        r = _Reader(f)
+        size = os.fstat(f.fileno()).st_size
+        r = _Reader(f, size)
         if f.read(4) != GGUF_MAGIC:
             raise GGUFFormatError(f"{path} is not a GGUF file (bad magic)")
         version = r.unpack("<I")
         if version not in (2, 3):
             raise GGUFFormatError(f"{path}: GGUF version {version} is not supported")
-        n_tensors = r.unpack("<Q")
-        n_kv = r.unpack("<Q")
+        n_tensors = r.count(24, "tensors")  # (a name's length, dimensions, type, offset)
+        n_kv = r.count(12, "metadata keys")  # (a key's length, a value's type)
         metadata: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = r.string()
-            metadata[key] = r.value(r.unpack("<I"), skip_arrays)
+        try:
+            for _ in range(n_kv):
+                key = r.string()
+                metadata[key] = r.value(r.unpack("<I"), skip_arrays)
+        except (struct.error, OverflowError, MemoryError) as exc:
+            raise GGUFFormatError(f"{path}: damaged metadata at byte {f.tell()}: {exc}") from None
         tensors = []
         for _ in range(n_tensors):
             name = r.string()
             n_dims = r.unpack("<I")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise GGUFFormatError(f"{path}: tensor {name!r} has {n_dims} dimensions")
             shape = tuple(r.unpack("<Q") for _ in range(n_dims))
             tensors.append(GGUFTensorInfo(name, shape, r.unpack("<I"), r.unpack("<Q")))
-        alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise GGUFFormatError(f"{path}: alignment {alignment!r} is not a power of two")
         pos = f.tell()
         data_offset = pos + (-pos % alignment)
+    for t in tensors:
+        _check_extent(path, t, size - data_offset)
     return GGUFHeader(path, version, metadata, tensors, data_offset)
+
+
+def _check_extent(path: Path, t: GGUFTensorInfo, data_bytes: int) -> None:
+    """A tensor of a known type, rows of whole blocks, its data inside the file's
+    ``data_bytes`` of tensor data."""
+    if t.ggml_type not in GGML_TYPES:
+        raise GGUFFormatError(f"{path}: tensor {t.name!r} has unknown ggml type {t.ggml_type}")
+    name, block, _ = GGML_TYPES[t.ggml_type]
+    if t.shape[0] % block:
+        raise GGUFFormatError(
+            f"{path}: tensor {t.name!r}: rows of {t.shape[0]} values are not whole {name} "
+            f"blocks of {block}"
+        )
+    end = t.offset + t.num_bytes
+    if end > data_bytes:
+        raise GGUFFormatError(
+            f"{path}: tensor {t.name!r}'s data ends {end - data_bytes} bytes past the end of "
+            "the file (a partial download?)"
+        )

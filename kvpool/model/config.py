@@ -83,6 +83,84 @@ class ModelConfig:
     def kv_geometry(self, dtype_bytes: float) -> ModelGeometry:
         return ModelGeometry(self.num_layers, self.num_kv_heads, self.head_dim, dtype_bytes)
 
+    def tensor_shapes(self) -> dict[str, tuple[int | None, ...]]:
+        """Every tensor the runtime reads, by GGUF name, with the shape this config needs
+        (ggml's order: the contiguous dimension first); None where any positive size goes
+        (the vocabulary's rows: an embedding may have more rows than the tokenizer has
+        tokens; the head has as many as the embedding)."""
+        h, q, kv, d = self.hidden_size, self.q_size, self.kv_size, self.head_dim
+        shapes: dict[str, tuple[int | None, ...]] = {
+            "token_embd.weight": (h, None),
+            "output_norm.weight": (h,),
+        }
+        if not self.tie_word_embeddings:
+            shapes["output.weight"] = (h, None)
+        for i in range(self.num_layers):
+            p = f"blk.{i}."
+            shapes |= {
+                p + "attn_norm.weight": (h,),
+                p + "attn_q.weight": (h, q),
+                p + "attn_k.weight": (h, kv),
+                p + "attn_v.weight": (h, kv),
+                p + "attn_output.weight": (q, h),
+                p + "ffn_norm.weight": (h,),
+            }
+            if self.attention_bias:
+                shapes |= {p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,)}
+                shapes[p + "attn_v.bias"] = (kv,)
+            if self.qk_norm:
+                shapes |= {p + "attn_q_norm.weight": (d,), p + "attn_k_norm.weight": (d,)}
+            if self.sandwich_norms:
+                shapes |= {p + "post_attention_norm.weight": (h,), p + "post_ffw_norm.weight": (h,)}
+            if self.experts:
+                e, f = self.experts, self.expert_ffn
+                shapes |= {p + "ffn_gate_inp.weight": (h, e), p + "ffn_down_exps.weight": (f, h, e)}
+                shapes |= {
+                    p + "ffn_gate_exps.weight": (h, f, e),
+                    p + "ffn_up_exps.weight": (h, f, e),
+                }
+            else:
+                f = self.intermediate_size
+                shapes |= {p + "ffn_gate.weight": (h, f), p + "ffn_up.weight": (h, f)}
+                shapes[p + "ffn_down.weight"] = (f, h)
+        return shapes
+
+    def check_tensors(self, header: GGUFHeader) -> None:
+        """Raises ``UnsupportedModel`` where the file lacks a tensor the runtime reads, or
+        holds one of another shape than its metadata says (a damaged or mislabelled
+        file): before any data is read, and before a kernel meets a matrix of the wrong
+        width. Tensors the runtime does not read are not checked."""
+        found = {t.name: t for t in header.tensors}
+        geometry = (
+            f"{self.architecture}, hidden {self.hidden_size}, {self.num_heads} heads / "
+            f"{self.num_kv_heads} KV heads of {self.head_dim}"
+        )
+        for name, want in self.tensor_shapes().items():
+            tensor = found.get(name)
+            if tensor is None:
+                raise UnsupportedModel(f"the file has no tensor {name!r} ({geometry})")
+            got = tensor.shape
+            if len(got) != len(want) or any(
+                g != w if w is not None else g <= 0 for g, w in zip(got, want, strict=True)
+            ):
+                shown = ", ".join("n" if w is None else str(w) for w in want)
+                raise UnsupportedModel(
+                    f"tensor {name!r} is [{', '.join(map(str, got))}], where the file's "
+                    f"metadata ({geometry}) needs [{shown}]"
+                )
+        head = found.get("output.weight")  # (its logits' ids go back into the embedding)
+        if head is not None and head.shape[1] != found["token_embd.weight"].shape[1]:
+            raise UnsupportedModel(
+                f"the head's {head.shape[1]} rows ('output.weight') are not the token "
+                f"embedding's {found['token_embd.weight'].shape[1]}"
+            )
+        rope = found.get("rope_freqs.weight")  # (Llama 3's scaling, where the file has it)
+        if rope is not None and rope.shape != (self.head_dim // 2,):
+            raise UnsupportedModel(
+                f"tensor 'rope_freqs.weight' is {list(rope.shape)}, where heads of "
+                f"{self.head_dim} need [{self.head_dim // 2}]"
+            )
+
     @classmethod
     def from_gguf(cls, header: GGUFHeader) -> ModelConfig:
         arch = header.architecture
@@ -95,13 +173,18 @@ class ModelConfig:
         if window and arch != "gemma3":
             raise UnsupportedModel(f"sliding-window attention in a {arch} file is not supported")
         names = {t.name for t in header.tensors}
-        hidden = int(header.arch_value("embedding_length"))
-        heads = int(header.arch_value("attention.head_count"))
+        hidden = _count(header, "embedding_length")
+        heads = _count(header, "attention.head_count")
         kv_heads = header.arch_value("attention.head_count_kv", heads)
         if isinstance(kv_heads, list):
             raise UnsupportedModel("per-layer KV head counts are not supported")
-        head_dim = int(header.arch_value("attention.key_length", hidden // heads))
-        if int(header.arch_value("attention.value_length", head_dim)) != head_dim:
+        kv_heads = _count(header, "attention.head_count_kv", heads)
+        if heads % kv_heads:
+            raise UnsupportedModel(f"{heads} heads do not share {kv_heads} KV heads evenly")
+        head_dim = _count(header, "attention.key_length", hidden // heads)
+        if head_dim % 2:
+            raise UnsupportedModel(f"heads of {head_dim} (odd) cannot be rotated")
+        if _count(header, "attention.value_length", head_dim) != head_dim:
             raise UnsupportedModel("value heads of another width than key heads are not supported")
         experts = int(header.arch_value("expert_count", 0) or 0)
         if experts and arch != "qwen3moe":  # (Mixtral's llama files: other routing defaults)
@@ -115,7 +198,11 @@ class ModelConfig:
         expert_ffn, experts_used = 0, 0
         if experts:
             gate = next(t for t in header.tensors if t.name == "blk.0.ffn_gate_exps.weight")
-            expert_ffn = int(header.arch_value("expert_feed_forward_length", gate.shape[1]))
+            if len(gate.shape) != 3:
+                raise UnsupportedModel(
+                    f"experts' tensor 'blk.0.ffn_gate_exps.weight' is {gate.shape}"
+                )
+            expert_ffn = _count(header, "expert_feed_forward_length", gate.shape[1])
             experts_used = int(header.arch_value("expert_used_count", 0) or 0)
             if not 0 < experts_used <= experts:
                 raise UnsupportedModel(f"{experts_used} experts used of {experts}")
@@ -127,7 +214,7 @@ class ModelConfig:
         period = header.arch_value("attention.sliding_window_pattern", GEMMA3_SLIDING_PERIOD)
         if not isinstance(period, int) or period < 1:
             raise UnsupportedModel(f"sliding window pattern {period!r} is not supported")
-        layers = int(header.arch_value("block_count"))
+        layers = _count(header, "block_count")
         scale = float(header.arch_value("attention.scale", 0.0) or 0.0)
         if gemma3 and not scale and layers == 62:
             # Gemma 3 27B scales by hidden / heads (168), not its head width (128); the
@@ -136,21 +223,23 @@ class ModelConfig:
         tokens = header.metadata.get("tokenizer.ggml.tokens")
         vocab = int(header.arch_value("vocab_size", len(tokens) if tokens else 0))
         if not vocab:
-            embd = next(t for t in header.tensors if t.name == "token_embd.weight")
+            embd = next((t for t in header.tensors if t.name == "token_embd.weight"), None)
+            if embd is None or len(embd.shape) != 2:
+                raise UnsupportedModel("the file has neither a vocabulary nor a token embedding")
             vocab = int(embd.shape[1])
         return cls(
             architecture=arch,
             name=str(header.metadata.get("general.name", header.path.stem)),
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(header.arch_value("feed_forward_length", expert_ffn)),
+            intermediate_size=_count(header, "feed_forward_length", expert_ffn or None),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(kv_heads),
             head_dim=head_dim,
             rms_norm_eps=float(header.arch_value("attention.layer_norm_rms_epsilon", 1e-5)),
             rope_theta=float(header.arch_value("rope.freq_base", 10000.0)),
-            context_length=int(header.arch_value("context_length", 4096)),
+            context_length=_count(header, "context_length", 4096),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
             qk_norm="blk.0.attn_q_norm.weight" in names,
@@ -166,3 +255,15 @@ class ModelConfig:
             sandwich_norms="blk.0.post_attention_norm.weight" in names,
             activation="gelu_tanh" if gemma3 else "silu",
         )
+
+
+def _count(header: GGUFHeader, key: str, default: int | None = None) -> int:
+    """The architecture's ``key``: a positive integer (``default`` where the file has
+    none; a file with neither is refused, as is any other value: a damaged header)."""
+    value = header.arch_value(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        shown = "missing" if value is None else repr(value)
+        raise UnsupportedModel(
+            f"the file's {header.architecture}.{key} is {shown}, not a positive integer"
+        )
+    return value

@@ -198,6 +198,7 @@ def load_gguf_weights(
     ops on other threads would start an OpenMP pool in each)."""
     header = header or read_gguf_header(path)
     config = ModelConfig.from_gguf(header)
+    config.check_tensors(header)  # (a damaged file is refused before its data is read)
     weights: dict[str, torch.Tensor | QuantizedMatrix] = {}
     plan = _plan(header, config, pack_variant, kept_types) if quantized else {}
     arena = _HugeArena(sum(size for size, _ in plan.values()))

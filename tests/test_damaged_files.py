@@ -1,0 +1,178 @@
+"""A damaged or crafted GGUF file (a partial download, flipped bytes, a tensor of another
+shape than its metadata says) is refused with a clear error: ``GGUFFormatError`` or
+``UnsupportedModel`` (both ValueErrors), naming what is wrong, before any tensor data is
+read or any kernel meets it; ``kvpool generate`` says so in one line, and a server that
+loads models on demand answers 400 and goes on serving."""
+
+from __future__ import annotations
+
+import random
+import struct
+from pathlib import Path
+
+import pytest
+
+from kvpool.formats.gguf_header import GGUFFormatError, read_gguf_header
+from kvpool.model.config import ModelConfig, UnsupportedModel
+from tests.synthetic_gguf import write_model
+
+REFUSED = (GGUFFormatError, UnsupportedModel)
+
+
+@pytest.fixture(scope="module")
+def model_bytes(tmp_path_factory) -> bytes:
+    from tests.test_synthetic_models import MIXES
+
+    path = tmp_path_factory.mktemp("damaged") / "base.gguf"
+    return write_model(path, "qwen2", MIXES["k-quants"], seed=1).read_bytes()
+
+
+def _written(tmp_path: Path, data: bytes) -> Path:
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(data)
+    return path
+
+
+def _checked(path: Path) -> None:
+    """What a load does before it reads any tensor data."""
+    header = read_gguf_header(path)
+    ModelConfig.from_gguf(header).check_tensors(header)
+
+
+def _after(data: bytes, name: str) -> int:
+    """The byte after a header string (a metadata key or a tensor's name)."""
+    key = struct.pack("<Q", len(name)) + name.encode()
+    return data.index(key) + len(key)
+
+
+def _with_dims(data: bytes, name: str, dims: tuple[int, ...]) -> bytes:
+    """``data`` with tensor ``name``'s dimensions rewritten (as many as it had)."""
+    at = _after(data, name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    assert len(dims) == n_dims
+    out = bytearray(data)
+    struct.pack_into(f"<{n_dims}Q", out, at + 4, *dims)
+    return bytes(out)
+
+
+def _with_u32(data: bytes, key: str, value: int) -> bytes:
+    """``data`` with the uint32 metadata value of ``key`` rewritten."""
+    at = _after(data, key)
+    assert struct.unpack_from("<I", data, at)[0] == 4  # (GGUF's uint32)
+    out = bytearray(data)
+    struct.pack_into("<I", out, at + 4, value)
+    return bytes(out)
+
+
+def test_the_undamaged_file_loads(tmp_path, model_bytes):
+    from kvpool.model.loader import load_model
+
+    path = _written(tmp_path, model_bytes)
+    _checked(path)
+    assert load_model(str(path), progress=False).model.vocab_rows > 0
+
+
+def test_a_file_cut_short_anywhere_is_refused_before_its_data_is_read(tmp_path, model_bytes):
+    """A partial download: cut in the header's fields, its vocabulary, its tensor
+    directory or the tensor data. The load says where, without reading or allocating
+    the rest (the data's end is checked against the directory first)."""
+    data_offset = read_gguf_header(_written(tmp_path, model_bytes)).data_offset
+    cuts = [4, 10, 30, 200, data_offset // 2, data_offset - 1, data_offset + 100]
+    cuts += [len(model_bytes) // 2, len(model_bytes) - 1]
+    for cut in cuts:
+        path = _written(tmp_path, model_bytes[:cut])
+        with pytest.raises(GGUFFormatError, match=r"end of file|past the end") as info:
+            _checked(path)
+        if cut > data_offset:
+            assert "a partial download?" in str(info.value)
+
+
+def test_random_damage_to_the_header_is_refused_or_harmless(tmp_path, model_bytes):
+    """Bytes of the header overwritten at random (400 files, 1-4 bytes each): each is
+    refused with a format error, or reads as a model whose tensors are all there in the
+    shapes its metadata says (a damaged token string, a damaged name of a tensor the
+    runtime does not read). Never another exception: no struct or overflow errors, no
+    KeyError of a missing tensor, no allocation of what a damaged length claims."""
+    data_offset = read_gguf_header(_written(tmp_path, model_bytes)).data_offset
+    rng = random.Random(13)
+    refused = 0
+    for _ in range(400):
+        data = bytearray(model_bytes)
+        for _ in range(rng.choice((1, 2, 4))):
+            data[rng.randrange(data_offset)] = rng.randrange(256)
+        try:
+            _checked(_written(tmp_path, bytes(data)))
+        except REFUSED:
+            refused += 1
+    assert refused > 100  # (most damage lands in a length, a count, a shape or a type)
+
+
+@pytest.mark.parametrize(
+    ("name", "dims", "message"),
+    [
+        ("blk.0.attn_q.weight", (256, 128), "'blk.0.attn_q.weight' is \\[256, 128\\]"),
+        ("blk.1.attn_k.weight", (256, 256), "needs \\[256, 128\\]"),
+        ("blk.0.attn_output.weight", (512, 256), "'blk.0.attn_output.weight'"),
+        ("blk.1.ffn_down.weight", (256, 256), "needs \\[512, 256\\]"),
+        ("blk.0.ffn_up.weight", (512, 512), "'blk.0.ffn_up.weight'"),
+        ("output_norm.weight", (128,), "needs \\[256\\]"),
+        ("blk.0.attn_q.bias", (512,), "'blk.0.attn_q.bias'"),
+        ("token_embd.weight", (512, 512), "needs \\[256, n\\]"),
+        ("token_embd.weight", (256, 0), "needs \\[256, n\\]"),
+        ("output.weight", (256, 1024), "head's 1024 rows"),
+    ],
+)
+def test_a_tensor_of_another_shape_than_the_metadata_says_is_refused(
+    tmp_path, model_bytes, name, dims, message
+):
+    """Checked before any data is read: a kernel never meets a matrix of another width
+    than the layer's, and the head never makes ids the embedding lacks."""
+    from kvpool.model.loader import load_model
+
+    path = _written(tmp_path, _with_dims(model_bytes, name, dims))
+    with pytest.raises(REFUSED, match=message):
+        load_model(str(path), progress=False)
+
+
+def test_a_missing_tensor_is_named(tmp_path, model_bytes):
+    at = _after(model_bytes, "blk.1.ffn_norm.weight")
+    data = bytearray(model_bytes)
+    data[at - 1 : at] = b"X"  # (the name's last letter: the runtime finds no such tensor)
+    with pytest.raises(UnsupportedModel, match=r"no tensor 'blk\.1\.ffn_norm\.weight'"):
+        _checked(_written(tmp_path, bytes(data)))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("qwen2.attention.head_count", 0, "head_count is 0, not a positive integer"),
+        ("qwen2.attention.head_count_kv", 3, "4 heads do not share 3 KV heads evenly"),
+        ("qwen2.embedding_length", 0, "embedding_length is 0"),
+        ("qwen2.block_count", 0, "block_count is 0"),
+        ("qwen2.feed_forward_length", 1000, "needs \\[256, 1000\\]"),
+        ("qwen2.attention.head_count", 8, "8 heads / 2 KV heads of 32"),
+    ],
+)
+def test_metadata_that_cannot_be_a_model_is_refused(tmp_path, model_bytes, key, value, message):
+    with pytest.raises(UnsupportedModel, match=message):
+        _checked(_written(tmp_path, _with_u32(model_bytes, key, value)))
+
+
+def test_the_alignment_and_dimension_count_are_checked(tmp_path, model_bytes):
+    at = _after(model_bytes, "output_norm.weight")
+    data = bytearray(model_bytes)
+    struct.pack_into("<I", data, at, 9)  # dimensions: ggml has at most 4
+    with pytest.raises(GGUFFormatError, match=r"'output_norm\.weight' has 9 dimensions"):
+        _checked(_written(tmp_path, bytes(data)))
+
+
+def test_generate_says_what_is_wrong_in_one_line(tmp_path, model_bytes, capsys):
+    from kvpool.cli import main
+
+    path = _written(tmp_path, model_bytes[: len(model_bytes) // 2])
+    assert main(["generate", "hi", "--model", str(path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = err.splitlines()
+    assert line.startswith("kvpool: ") and "past the end of the file" in line
+    assert "a partial download?" in line
