@@ -158,6 +158,26 @@ def test_metadata_that_cannot_be_a_model_is_refused(tmp_path, model_bytes, key, 
         _checked(_written(tmp_path, _with_u32(model_bytes, key, value)))
 
 
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("qwen2.rope.freq_base", float("nan")),
+        ("qwen2.rope.freq_base", -1.0),
+        ("qwen2.attention.layer_norm_rms_epsilon", float("inf")),
+        ("qwen2.attention.layer_norm_rms_epsilon", 0.0),
+    ],
+)
+def test_a_norm_or_rotary_constant_that_makes_every_logit_nan_is_refused(
+    tmp_path, model_bytes, key, value
+):
+    at = _after(model_bytes, key)
+    assert struct.unpack_from("<I", model_bytes, at)[0] == 6  # (GGUF's float32)
+    data = bytearray(model_bytes)
+    struct.pack_into("<f", data, at + 4, value)
+    with pytest.raises(UnsupportedModel, match=f"{key} is"):
+        _checked(_written(tmp_path, bytes(data)))
+
+
 def test_the_alignment_and_dimension_count_are_checked(tmp_path, model_bytes):
     at = _after(model_bytes, "output_norm.weight")
     data = bytearray(model_bytes)

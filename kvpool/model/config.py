@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvpool.cache import ModelGeometry
@@ -209,13 +210,15 @@ class ModelConfig:
         # linear rope scaling divides positions (others, such as yarn for contexts past
         # the trained length, are not applied: contexts within it are unchanged)
         scaling = header.arch_value("rope.scaling.type")
-        linear = float(header.arch_value("rope.scaling.factor", 1.0) or 1.0)
+        linear = _positive_float(header, "rope.scaling.factor", 1.0, zero=True)
         gemma3 = arch == "gemma3"
         period = header.arch_value("attention.sliding_window_pattern", GEMMA3_SLIDING_PERIOD)
         if not isinstance(period, int) or period < 1:
             raise UnsupportedModel(f"sliding window pattern {period!r} is not supported")
         layers = _count(header, "block_count")
         scale = float(header.arch_value("attention.scale", 0.0) or 0.0)
+        if not math.isfinite(scale) or scale < 0:
+            raise UnsupportedModel(f"the file's {arch}.attention.scale is {scale}")
         if gemma3 and not scale and layers == 62:
             # Gemma 3 27B scales by hidden / heads (168), not its head width (128); the
             # file does not say so (llama.cpp tells the 27B by its 62 layers, as here)
@@ -237,8 +240,8 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=int(kv_heads),
             head_dim=head_dim,
-            rms_norm_eps=float(header.arch_value("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(header.arch_value("rope.freq_base", 10000.0)),
+            rms_norm_eps=_positive_float(header, "attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta=_positive_float(header, "rope.freq_base", 10000.0),
             context_length=_count(header, "context_length", 4096),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
@@ -267,3 +270,17 @@ def _count(header: GGUFHeader, key: str, default: int | None = None) -> int:
             f"the file's {header.architecture}.{key} is {shown}, not a positive integer"
         )
     return value
+
+
+def _positive_float(header: GGUFHeader, key: str, default: float, zero: bool = False) -> float:
+    """The architecture's ``key``: a finite positive number (``default`` where the file
+    has none, or with ``zero`` a zero), as a float; a NaN, an infinity or a negative one
+    (a damaged header) is refused: it would make every logit NaN."""
+    value = header.arch_value(key, default)
+    if zero and value == 0:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UnsupportedModel(f"the file's {header.architecture}.{key} is {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise UnsupportedModel(f"the file's {header.architecture}.{key} is {value}")
+    return float(value)
