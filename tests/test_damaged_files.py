@@ -186,6 +186,20 @@ def test_the_alignment_and_dimension_count_are_checked(tmp_path, model_bytes):
         _checked(_written(tmp_path, bytes(data)))
 
 
+def test_a_type_this_reader_does_not_know_is_refused_where_it_is_read(tmp_path, model_bytes):
+    """A newer ggml's type: the header (a model's geometry, as the simulator reads it)
+    still reads; loading that tensor is refused, naming it."""
+    from kvpool.model.loader import load_model
+
+    at = _after(model_bytes, "blk.1.ffn_down.weight")
+    data = bytearray(model_bytes)
+    struct.pack_into("<I", data, at + 4 + 2 * 8, 99)  # (after its 2 dimensions: its type)
+    path = _written(tmp_path, bytes(data))
+    _checked(path)
+    with pytest.raises(GGUFFormatError, match=r"blk\.1\.ffn_down\.weight: unknown ggml type 99"):
+        load_model(str(path), progress=False)
+
+
 def test_generate_says_what_is_wrong_in_one_line(tmp_path, model_bytes, capsys):
     from kvpool.cli import main
 
