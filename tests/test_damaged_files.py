@@ -200,6 +200,34 @@ def test_a_type_this_reader_does_not_know_is_refused_where_it_is_read(tmp_path, 
         load_model(str(path), progress=False)
 
 
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tokenizer.ggml.merges": ["a c"]}, "vocabulary is damaged: .*out of vocabulary"),
+        ({"tokenizer.ggml.merges": ["ab"]}, "a merge is not two tokens"),
+        ({"tokenizer.ggml.bos_token_id": 70000}, "beginning token id 70000 is no token"),
+        ({"tokenizer.ggml.eos_token_id": -1}, "end token id -1 is no token"),
+    ],
+)
+def test_a_damaged_vocabulary_is_refused(change, message):
+    """The tokenizers library raises plain Exceptions for a merge that names no token
+    (seen in header-damaged copies of the default model): the load's error is the file's."""
+    from kvpool.formats.gguf_header import GGUFHeader
+    from kvpool.model.tokenizer import Tokenizer
+
+    metadata = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": ["a", "b", "ab"],
+        "tokenizer.ggml.merges": ["a b"],
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
+    }
+    Tokenizer.from_gguf(GGUFHeader(Path("v.gguf"), 3, metadata, [], 0))  # (as written)
+    header = GGUFHeader(Path("v.gguf"), 3, metadata | change, [], 0)
+    with pytest.raises(UnsupportedModel, match=message):
+        Tokenizer.from_gguf(header)
+
+
 def test_generate_says_what_is_wrong_in_one_line(tmp_path, model_bytes, capsys):
     from kvpool.cli import main
 

@@ -73,6 +73,18 @@ def _merges_from_scores(tokens: list[str], scores: Sequence[float]) -> list[tupl
     return [(left, right) for _, _, left, right in ranked]
 
 
+def _bpe(vocab: dict[str, int], merges: list, **options: Any) -> models.BPE:
+    """The tokenizers library's BPE model; one it refuses (a damaged merge that names no
+    token, a pair that is not two tokens: it raises plain Exceptions) is the file's
+    fault, an ``UnsupportedModel``."""
+    if any(len(pair) != 2 for pair in merges):
+        raise UnsupportedModel("the file's vocabulary is damaged: a merge is not two tokens")
+    try:
+        return models.BPE(vocab, merges, **options)
+    except Exception as exc:  # (the Rust library's errors are plain Exceptions)
+        raise UnsupportedModel(f"the file's vocabulary is damaged: {exc}") from None
+
+
 @dataclass
 class Tokenizer:
     backend: _HFTokenizer
@@ -95,13 +107,15 @@ class Tokenizer:
         vocab = {t: i for i, t in enumerate(tokens)}
         if kind == "gpt2":
             merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-            backend = _HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
+            backend = _HFTokenizer(_bpe(vocab, merges, fuse_unk=False))
             backend.pre_tokenizer = _byte_level_pre(meta.get("tokenizer.ggml.pre"))
             backend.decoder = decoders.ByteLevel()
         elif kind == "llama":
             scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
             unk = meta.get("tokenizer.ggml.unknown_token_id", 0)
-            model = models.BPE(
+            if not isinstance(unk, int) or not 0 <= unk < len(tokens):
+                raise UnsupportedModel(f"the file's unknown token id {unk!r} is no token")
+            model = _bpe(
                 vocab, _merges_from_scores(tokens, scores), unk_token=tokens[unk],
                 fuse_unk=True, byte_fallback=True,
             )  # fmt: skip
@@ -122,7 +136,11 @@ class Tokenizer:
         backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
         bos = meta.get("tokenizer.ggml.bos_token_id")
         eos = meta.get("tokenizer.ggml.eos_token_id")
-        stops = {i for i in (eos, meta.get("tokenizer.ggml.eot_token_id")) if i is not None}
+        eot = meta.get("tokenizer.ggml.eot_token_id")
+        for what, i in (("beginning", bos), ("end", eos), ("end of turn", eot)):
+            if i is not None and (not isinstance(i, int) or not 0 <= i < len(tokens)):
+                raise UnsupportedModel(f"the file's {what} token id {i!r} is no token")
+        stops = {i for i in (eos, eot) if i is not None}
         stops |= {vocab[t] for t in END_OF_TURN if t in vocab and types[vocab[t]] == CONTROL}
         return cls(
             backend=backend,
