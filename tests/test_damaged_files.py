@@ -238,3 +238,57 @@ def test_generate_says_what_is_wrong_in_one_line(tmp_path, model_bytes, capsys):
     (line,) = err.splitlines()
     assert line.startswith("kvpool: ") and "past the end of the file" in line
     assert "a partial download?" in line
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{% for m in messages %}{{ m.content }}", "(?i)unexpected end of template"),
+        ("{{ messages[0].content + 1 }}", "can only concatenate"),
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "unsafe"),
+        ("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
+    ],
+)
+def test_a_chat_template_that_fails_is_a_value_error_saying_why(template, message):
+    from kvpool.formats.gguf_header import GGUFHeader
+    from kvpool.model.tokenizer import Tokenizer
+
+    metadata = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": ["a", "b", "ab"],
+        "tokenizer.ggml.merges": ["a b"],
+        "tokenizer.chat_template": template,
+    }
+    tokenizer = Tokenizer.from_gguf(GGUFHeader(Path("v.gguf"), 3, metadata, [], 0))
+    with pytest.raises(ValueError, match=message):
+        tokenizer.render_chat([{"role": "user", "content": "ab"}])
+
+
+def test_a_model_whose_chat_template_fails_answers_400s_and_serves_raw_prompts():
+    """A broken template (a file's, or one a conversation trips) fails each chat request
+    with a 400 in the API's own shape saying why (it was a 500 "internal error"), and
+    the model still serves raw prompts."""
+    import httpx
+
+    from kvpool import LLM
+    from tests.inprocess_server import InProcessServer
+
+    llm = LLM(progress=False, kv_cache_memory=64 << 20)
+    llm.loaded.tokenizer.chat_template = "{% for m in messages %}{{ m.content }}"
+    llm.loaded.tokenizer._template = None
+    server = InProcessServer(llm)
+    try:
+        chat = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}]}
+        r = httpx.post(f"{server.url}/api/chat", json=chat | {"stream": False}, timeout=60)
+        assert r.status_code == 400 and "chat template failed" in r.json()["error"], r.text
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 400, r.text
+        assert "chat template failed" in r.json()["error"]["message"]
+        body = {"model": "smollm2", "prompt": "Hi", "stream": False}
+        r = httpx.post(f"{server.url}/api/generate", json=body, timeout=60)
+        assert r.status_code == 400 and "chat template failed" in r.json()["error"], r.text
+        raw = body | {"raw": True, "options": {"num_predict": 2}}
+        r = httpx.post(f"{server.url}/api/generate", json=raw, timeout=60)
+        assert r.status_code == 200 and r.json()["done"], r.text
+    finally:
+        server.stop()

@@ -174,16 +174,23 @@ class Tokenizer:
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
     ) -> str:
         """The conversation as the model's chat template writes it (``extra``: more
-        template variables, such as ``tools``)."""
-        template = self._compiled_template()
+        template variables, such as ``tools``). A template that cannot render this
+        conversation (it raises, reads what is not there, breaks the sandbox's rules, or
+        does not compile) raises a ValueError saying so: a server's 400 with the reason,
+        not an internal error."""
+        from jinja2 import TemplateError
+
         token = self.token_text
-        return template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=token(self.bos_id) if self.bos_id is not None else "",
-            eos_token=token(self.eos_id) if self.eos_id is not None else "",
-            **extra,
-        )
+        try:
+            return self._compiled_template().render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=token(self.bos_id) if self.bos_id is not None else "",
+                eos_token=token(self.eos_id) if self.eos_id is not None else "",
+                **extra,
+            )
+        except (TemplateError, TypeError) as exc:  # (jinja's operators raise TypeErrors)
+            raise ValueError(f"the model's chat template failed: {exc}") from None
 
     def _compiled_template(self) -> Any:
         """The chat template compiled once (compiling costs milliseconds per request)."""
