@@ -266,6 +266,6 @@ def _check_extent(path: Path, t: GGUFTensorInfo, data_bytes: int) -> None:
     end = t.offset + t.num_bytes
     if end > data_bytes:
         raise GGUFFormatError(
-            f"{path}: tensor {t.name!r}'s data ends {end - data_bytes} bytes past the end of "
-            "the file (a partial download?)"
+            f"{path}: tensor {t.name!r}: its data ends {end - data_bytes} bytes past the end "
+            "of the file (a partial download?)"
         )
