@@ -168,10 +168,7 @@ def _prefix_ids(body: PinBody, state: ServerState) -> list[int]:
         raise bad_request("give exactly one of system, prompt or tokens")
     if body.system is not None:
         system = [{"role": "system", "content": body.system}]
-        try:
-            ids = model.encode_chat(system, add_generation_prompt=False)
-        except ValueError as exc:  # the template refused the system prompt, or failed
-            raise bad_request(str(exc)) from None
+        ids = model.encode_chat(system, add_generation_prompt=False)
     elif body.prompt is not None:
         ids = model.encode(body.prompt)
     else:

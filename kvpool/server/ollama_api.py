@@ -120,10 +120,7 @@ def generate_prompt(model: Any, body: GenerateBody) -> list[int]:
         extra = reasoning.template_kwargs(model, _think(body.think))
 
         def encode(more: dict[str, Any], start: str) -> list[int]:
-            try:
-                return model.encode_chat(messages, **more, prefill=start)
-            except ValueError as exc:  # the template refused the prompt, or failed
-                raise bad_request(str(exc)) from None
+            return model.encode_chat(messages, **more, prefill=start)
 
         ids = reasoning.prompt_ids(model, encode, extra, constrained=body.format not in (None, ""))
     return model.check_tokens(list(body.context or []), "context") + ids

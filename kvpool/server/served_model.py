@@ -119,10 +119,14 @@ class ServedModel:
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **extra: Any
     ) -> list[int]:
         """The messages rendered by the model's chat template, as token ids (``extra``:
-        more template variables, such as ``tools``)."""
-        return self.loaded.tokenizer.encode_chat(
-            messages, add_generation_prompt=add_generation_prompt, **extra
-        )
+        more template variables, such as ``tools``). A template that refuses the
+        conversation or fails (a ValueError saying why) is a 400, in every API."""
+        try:
+            return self.loaded.tokenizer.encode_chat(
+                messages, add_generation_prompt=add_generation_prompt, **extra
+            )
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
 
     def piece(self, token_id: int) -> str:
         """One token's text, special tokens included (logprobs name tokens by it)."""

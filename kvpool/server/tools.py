@@ -325,10 +325,7 @@ def prepare(
     rendered, extra = chat_messages(messages, shown, template)
 
     def encode(more: dict[str, Any], start: str) -> list[int]:
-        try:
-            return model.encode_chat(rendered, **{**extra, **more}, prefill=start)
-        except ValueError as exc:  # the template refused the conversation
-            raise bad_request(str(exc)) from None
+        return model.encode_chat(rendered, **{**extra, **more}, prefill=start)
 
     constrained = constrained or forced is not None
     ids = reasoning.prompt_ids(model, encode, template_extra or {}, prefill, constrained)
