@@ -128,8 +128,14 @@ def _bench(args: argparse.Namespace) -> int:
             presets = ", ".join(synth_model.PRESETS)
             print(f"kvpool: unknown preset; choose from {presets}", file=sys.stderr)
             return 2
-        out = Path(args.out) / f"{args.preset}-{args.mix}.gguf"
-        print(synth_model.write(args.preset, args.mix, out))
+        # a mix in any case (Ollama's tags spell it q4_K_M)
+        mix = {m.lower(): m for m in synth_model.MIXES}.get(args.mix.lower())
+        if mix is None:
+            mixes = ", ".join(synth_model.MIXES)
+            print(f"kvpool: unknown mix {args.mix!r}; choose from {mixes}", file=sys.stderr)
+            return 2
+        out = Path(args.out) / f"{args.preset}-{mix}.gguf"
+        print(synth_model.write(args.preset, mix, out))
         return 0
     raise AssertionError(args.what)
 

@@ -207,6 +207,12 @@ def test_a_type_this_reader_does_not_know_is_refused_where_it_is_read(tmp_path, 
         ({"tokenizer.ggml.merges": ["ab"]}, "a merge is not two tokens"),
         ({"tokenizer.ggml.bos_token_id": 70000}, "beginning token id 70000 is no token"),
         ({"tokenizer.ggml.eos_token_id": -1}, "end token id -1 is no token"),
+        ({"tokenizer.ggml.scores": [0.0, 1.0]}, "2 scores for 3 tokens"),
+        ({"tokenizer.ggml.token_type": [1, 1, 1, 1]}, "4 token_type for 3 tokens"),
+        ({"tokenizer.ggml.scores": ["a", "b", "c"]}, "its scores are not all numbers"),
+        ({"tokenizer.ggml.tokens": [1, 2, 3]}, "its tokens are not all strings"),
+        ({"tokenizer.ggml.merges": [7]}, "its merges are not all strings"),
+        ({"tokenizer.ggml.token_type": [True, 1, 1]}, "its token_type are not all integers"),
     ],
 )
 def test_a_damaged_vocabulary_is_refused(change, message):
@@ -226,6 +232,29 @@ def test_a_damaged_vocabulary_is_refused(change, message):
     header = GGUFHeader(Path("v.gguf"), 3, metadata | change, [], 0)
     with pytest.raises(UnsupportedModel, match=message):
         Tokenizer.from_gguf(header)
+
+
+def test_arrays_nested_deeper_than_any_model_writes_are_refused(tmp_path):
+    """ggml's reader takes no array of arrays; this one reads 8 deep, and refuses a
+    crafted file's thousands (which would exhaust Python's recursion) as damaged."""
+
+    def gguf(depth: int) -> bytes:
+        key = b"nested"
+        value = struct.pack("<I", 9)  # an array ...
+        for _ in range(depth - 1):
+            value += struct.pack("<IQ", 9, 1)  # ... of one array ...
+        value += struct.pack("<IQ", 4, 1) + struct.pack("<I", 7)  # ... of one uint32
+        head = b"GGUF" + struct.pack("<IQQ", 3, 0, 1)
+        return head + struct.pack("<Q", len(key)) + key + value
+
+    value = read_gguf_header(_written(tmp_path, gguf(8))).metadata["nested"]
+    for _ in range(8):
+        value = value[0]
+    assert value == 7
+    with pytest.raises(GGUFFormatError, match="arrays nested more than 8 deep"):
+        read_gguf_header(_written(tmp_path, gguf(9)))
+    with pytest.raises(GGUFFormatError, match="arrays nested more than 8 deep"):
+        read_gguf_header(_written(tmp_path, gguf(5000)))
 
 
 def test_generate_says_what_is_wrong_in_one_line(tmp_path, model_bytes, capsys):

@@ -499,6 +499,24 @@ def test_synth_model_refuses_an_unknown_preset_writing_nothing(tmp_path: Path, c
     assert not list(tmp_path.iterdir())
 
 
+def test_synth_model_takes_a_mix_in_any_case_and_refuses_an_unknown_one(
+    tmp_path: Path, capsys, monkeypatch
+):
+    from kvpool.bench import synth_model
+    from kvpool.cli import main
+
+    written = []
+    monkeypatch.setattr(synth_model, "write", lambda *a: written.append(a) or a[2])
+    args = ["bench", "synth-model", "--preset", "llama-3.2-1b", "--out", str(tmp_path)]
+    assert main([*args, "--mix", "q4_k_m"]) == 0
+    assert written == [("llama-3.2-1b", "Q4_K_M", tmp_path / "llama-3.2-1b-Q4_K_M.gguf")]
+    capsys.readouterr()
+    assert main([*args, "--mix", "Q4_9"]) == 2
+    said = capsys.readouterr()
+    assert "unknown mix 'Q4_9'; choose from Q4_0, Q8_0" in said.err and not said.out
+    assert len(written) == 1
+
+
 @pytest.mark.skipif(_native() is None, reason="the native ops are not built here")
 def test_the_compute_line_names_matrices_dequantized_at_load(tmp_path: Path, monkeypatch):
     """A type the kernels do not read is dequantized at load, and the line says so (how

@@ -22,6 +22,9 @@ from typing import Any, BinaryIO
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+# Arrays of arrays are read this deep and no deeper (ggml's own reader refuses them all):
+# a crafted file's thousands of levels would exhaust Python's recursion
+MAX_NESTING = 8
 
 # ggml tensor types: id -> (name, elements per block, bytes per block)
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
@@ -168,7 +171,7 @@ class _Reader:
         self.need(n * least_bytes, f"{n} {what}")
         return n
 
-    def value(self, vtype: int, skip_arrays: bool) -> Any:
+    def value(self, vtype: int, skip_arrays: bool, depth: int = 0) -> Any:
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
         if vtype == _BOOL:
@@ -176,6 +179,10 @@ class _Reader:
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
+            if depth >= MAX_NESTING:
+                raise GGUFFormatError(
+                    f"arrays nested more than {MAX_NESTING} deep at byte {self.f.tell()}"
+                )
             etype = self.unpack("<I")
             least = {_BOOL: 1, _STRING: 8, _ARRAY: 12}.get(etype) or struct.calcsize(
                 _SCALARS.get(etype, "<B")
@@ -206,7 +213,7 @@ class _Reader:
                     if not skip_arrays:
                         out.append(raw.decode("utf-8", errors="replace"))
                 return None if skip_arrays else out
-            return [self.value(etype, skip_arrays) for _ in range(count)]
+            return [self.value(etype, skip_arrays, depth + 1) for _ in range(count)]
         raise GGUFFormatError(f"unknown GGUF metadata value type {vtype}")
 
 

@@ -73,6 +73,27 @@ def _merges_from_scores(tokens: list[str], scores: Sequence[float]) -> list[tupl
     return [(left, right) for _, _, left, right in ranked]
 
 
+def _check_array(meta: dict[str, Any], name: str, kinds: frozenset, length: int | None) -> None:
+    """``tokenizer.ggml.{name}``, where the file has it, is a list of values of the types
+    ``kinds``, one for each token where ``length`` is given; else the vocabulary is damaged
+    (a flipped type or count misreads every array after it)."""
+    values = meta.get(f"tokenizer.ggml.{name}")
+    if values is None:
+        return
+    if not isinstance(values, list) or not set(map(type, values)) <= kinds:
+        raise UnsupportedModel(
+            f"the file's vocabulary is damaged: its {name} are not all {_KINDS[kinds]}"
+        )
+    if length is not None and len(values) != length:
+        raise UnsupportedModel(
+            f"the file's vocabulary is damaged: {len(values)} {name} for {length} tokens"
+        )
+
+
+_STRINGS, _INTEGERS, _NUMBERS = frozenset({str}), frozenset({int}), frozenset({int, float})
+_KINDS = {_STRINGS: "strings", _INTEGERS: "integers", _NUMBERS: "numbers"}
+
+
 def _bpe(vocab: dict[str, int], merges: list, **options: Any) -> models.BPE:
     """The tokenizers library's BPE model; one it refuses (a damaged merge that names no
     token, a pair that is not two tokens: it raises plain Exceptions) is the file's
@@ -103,6 +124,10 @@ class Tokenizer:
         tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
         if not tokens:
             raise UnsupportedModel("the GGUF file has no vocabulary (tokenizer.ggml.tokens)")
+        _check_array(meta, "tokens", _STRINGS, len(tokens))
+        _check_array(meta, "token_type", _INTEGERS, len(tokens))
+        _check_array(meta, "scores", _NUMBERS, len(tokens))
+        _check_array(meta, "merges", _STRINGS, None)
         types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         vocab = {t: i for i, t in enumerate(tokens)}
         if kind == "gpt2":
