@@ -70,3 +70,34 @@ def test_the_command_says_what_is_wrong_with_its_base_or_formats(tmp_path, capsy
     assert "no kvpool source tree" in capsys.readouterr().err
     assert main(["bench", "products", "--base", str(REPO), "--formats", "Q9_9"]) == 2
     assert "unknown formats" in capsys.readouterr().err
+
+
+def test_a_base_from_before_the_grouped_bit_is_called_without_it(monkeypatch):
+    """A tree older than ``GROUPED`` refuses that mode bit ("mode: ..."): its products are
+    called without it, the table says so, and its outputs still compare."""
+    modes = []
+
+    def old(x, raws, types, mode, variant, float_out):
+        if mode & products.GROUPED:
+            raise RuntimeError("mode: 0 (integer), 1 (float) or 2 (bf16 tiles), ...")
+        modes.append(mode)
+        return ops.quant_matmul(x, raws, types, mode | products.GROUPED, variant, float_out)
+
+    monkeypatch.setattr(products, "native_module_file", lambda tree: Path("/elsewhere/x.so"))
+    monkeypatch.setattr(products, "load_module", lambda path: SimpleNamespace(quant_matmul=old))
+    table = products.compare(
+        REPO, types=("Q4_0",), rows=(2,), calls=1, shapes=SMALL[:1], progress=False
+    )
+    assert "before GROUPED" in table.splitlines()[1]
+    assert _rows(table)[0][-1] == "yes"
+    assert set(modes) == {products.MODE & ~products.GROUPED}
+
+
+def test_a_base_that_fails_otherwise_is_not_taken_for_an_old_one(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("x: rows of whole blocks")
+
+    monkeypatch.setattr(products, "native_module_file", lambda tree: Path("/elsewhere/x.so"))
+    monkeypatch.setattr(products, "load_module", lambda path: SimpleNamespace(quant_matmul=broken))
+    with pytest.raises(RuntimeError, match="whole blocks"):
+        products.compare(REPO, types=("Q4_0",), rows=(2,), calls=1, shapes=SMALL[:1])
