@@ -124,7 +124,7 @@ class Tokenizer:
         tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
         if not tokens:
             raise UnsupportedModel("the GGUF file has no vocabulary (tokenizer.ggml.tokens)")
-        _check_array(meta, "tokens", _STRINGS, len(tokens))
+        _check_array(meta, "tokens", _STRINGS, None)
         _check_array(meta, "token_type", _INTEGERS, len(tokens))
         _check_array(meta, "scores", _NUMBERS, len(tokens))
         _check_array(meta, "merges", _STRINGS, None)
