@@ -128,11 +128,10 @@ def _bench(args: argparse.Namespace) -> int:
             presets = ", ".join(synth_model.PRESETS)
             print(f"kvpool: unknown preset; choose from {presets}", file=sys.stderr)
             return 2
-        # a mix in any case (Ollama's tags spell it q4_K_M)
-        mix = {m.lower(): m for m in synth_model.MIXES}.get(args.mix.lower())
-        if mix is None:
-            mixes = ", ".join(synth_model.MIXES)
-            print(f"kvpool: unknown mix {args.mix!r}; choose from {mixes}", file=sys.stderr)
+        try:
+            mix = synth_model.mix_named(args.mix)
+        except ValueError as error:
+            print(f"kvpool: {error}", file=sys.stderr)
             return 2
         out = Path(args.out) / f"{args.preset}-{mix}.gguf"
         print(synth_model.write(args.preset, mix, out))

@@ -279,16 +279,24 @@ def _data(name: str, shape: tuple[int, ...], qtype: str, g: Geometry, rng) -> np
     return random_blocks(qtype, rows, shape[-1], rng, scale=WEIGHT_SCALE)
 
 
+def mix_named(name: str) -> str:
+    """The mix in ``MIXES`` that ``name`` spells in any case (Ollama's tags write q4_K_M);
+    a ValueError names the mixes."""
+    for mix in MIXES:
+        if mix.lower() == name.lower():
+            return mix
+    raise ValueError(f"unknown mix {name!r}; choose from {', '.join(MIXES)}")
+
+
 def write(
     preset: str | Geometry, mix: str, path: Path, *, seed: int = 0, progress: bool = True
 ) -> Path:
-    """Write ``preset`` (a name in ``PRESETS``, or a geometry) quantized as ``mix`` to
-    ``path``; returns the path."""
+    """Write ``preset`` (a name in ``PRESETS``, or a geometry) quantized as ``mix`` (in
+    any case) to ``path``; returns the path."""
     import gguf
 
     g = PRESETS[preset] if isinstance(preset, str) else preset
-    if mix not in MIXES:
-        raise ValueError(f"unknown mix {mix!r}; choose from {', '.join(MIXES)}")
+    mix = mix_named(mix)
     rng = np.random.default_rng(seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     writer = gguf.GGUFWriter(str(path), g.arch)
