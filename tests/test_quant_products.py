@@ -55,6 +55,44 @@ def test_dequantization_equals_the_gguf_package(qtype, variant):
     assert torch.equal(bf16, torch.from_numpy(want).to(torch.bfloat16))
 
 
+SCALED_TYPES = sorted(q for q, (_, _, _, scales, _) in TYPES.items() if scales)
+
+
+@pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
+@pytest.mark.parametrize("qtype", SCALED_TYPES)
+def test_blocks_with_subnormal_fp16_scales_multiply_as_their_values(qtype, variant):
+    """A block's fp16 scale (and minimum) may be a subnormal half float: a K-quant block
+    of weights of order 0.05 has d ~1e-5, below fp16's smallest normal 6.1e-5, and real
+    files are full of them. Every kernel reads it as its value, in both layouts, in the
+    float and the int8 products, while the ops flush subnormal floats: a CPU whose
+    half-float conversion read them as zero under that flushing (qemu's emulated x86)
+    would multiply such blocks as zeros (float_control.h: flush_denormals_control)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    tid, _, size, scales, mins = TYPES[qtype]
+    rng = np.random.default_rng(tid)
+    raw = random_blocks(qtype, 16, 512, rng)
+    per_row = raw.reshape(16, -1, size)  # (a view: the blocks of each row)
+    for offset in scales + mins:  # halves 1 .. 1023 x 2^-24: every one subnormal
+        halves = rng.integers(1, 1024, size=per_row.shape[:2], dtype=np.uint16)
+        per_row[:, :, offset : offset + 2] = halves.view(np.uint8).reshape(*halves.shape, 2)
+    want = dequantize(raw, GGMLQuantizationType(tid)).astype(np.float64)
+    assert np.abs(want).max() > 0
+    raw = torch.from_numpy(raw)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(tid))
+    reference = torch.from_numpy(x.double().numpy() @ want.T)
+    scale = reference.abs().max().item()
+    parts = [(raw, tid)]
+    if qtype in PACKABLE:
+        parts.append((ops.quant_pack(raw, tid), tid | PACKED))
+    for weights, kind in parts:
+        floats = ops.quant_matmul(x, [weights], [kind], 1, variant).double()
+        assert (floats - reference).abs().max().item() <= 1e-5 * scale, kind
+        ints = ops.quant_matmul(x, [weights], [kind], 0, variant).double()
+        assert (ints - reference).abs().max().item() <= INT8_PRODUCT_BOUND * scale, kind
+
+
 @pytest.mark.parametrize("variant", [variant_param(v) for v in VARIANTS])
 @pytest.mark.parametrize("qtype", sorted(TYPES))
 @pytest.mark.parametrize("rows", [1, 5, 40])

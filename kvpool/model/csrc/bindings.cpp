@@ -83,6 +83,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       TORCH_CHECK(!(from <= bad && bad < to), "index ", bad, " refused");
     });
   }, "for tests: a parallel_for whose chunk holding index bad throws");
+  m.def("flush_control", &kvp::flush_denormals_control,
+        "the control bits the native float ops flush subnormals under (float_control.h: "
+        "x86 MXCSR's FTZ and DAZ, or FTZ alone where this CPU's half-float conversions read "
+        "subnormals as zero under DAZ; aarch64 FPCR's FZ)");
   m.def("flushes_denormals", &kvp::flushing_denormals,
         "whether the calling thread flushes subnormal floats to zero now (float_control.h; "
         "the native float ops do while they run)");

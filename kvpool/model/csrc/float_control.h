@@ -2,7 +2,8 @@
 //
 // kvpool's native float ops run with subnormal floats flushed to zero (FlushDenormals,
 // which bindings.cpp puts around each such op): a subnormal operand counts as zero and a
-// subnormal result becomes zero (x86: MXCSR's DAZ and FTZ; aarch64: FPCR's FZ). Why: an
+// subnormal result becomes zero (x86: MXCSR's DAZ and FTZ, or FTZ alone where DAZ would
+// break half-float conversions, flush_denormals_control; aarch64: FPCR's FZ). Why: an
 // x86 core takes a microcode assist, ~100 cycles, for each vector operation with a
 // subnormal operand or result, and attention makes them by the thousand where scores
 // spread wide: a softmax weight near exp(-87) times a value of 0.01 is subnormal, and a
@@ -24,7 +25,7 @@
 #include <cstdint>
 
 #if defined(__x86_64__)
-#include <xmmintrin.h>
+#include <immintrin.h>
 #endif
 
 namespace kvp {
@@ -32,13 +33,39 @@ namespace kvp {
 #if defined(__x86_64__)
 // MXCSR without its sticky exception flags (bits 0-5): DAZ (bit 6), the exception masks,
 // the rounding mode and FTZ (bit 15).
-constexpr uint64_t kFlushDenormals = 0x8040;
+constexpr uint64_t kFlushToZero = 0x8000, kDenormalsAreZero = 0x0040;
 inline uint64_t float_control() { return _mm_getcsr() & ~0x3Fu; }
 inline void set_float_control(uint64_t control) {
   _mm_setcsr(static_cast<unsigned>((_mm_getcsr() & 0x3Fu) | (control & ~0x3Fu)));
 }
+
+// Whether this CPU's VCVTPH2PS (F16C) reads a subnormal half float as zero under DAZ. No
+// x86 core does (DAZ leaves that conversion's inputs alone: a K-quant block's fp16 scale
+// d is often subnormal, ~1e-5, and the kernels read it so); qemu's emulated x86 (7.2's
+// TCG, as an amd64 container on an ARM Mac may run) does, and every such block's
+// products would come out as zeros. (The conversion in asm, between the MXCSR writes:
+// the compiler neither folds it nor moves it past them.)
+__attribute__((target("f16c"))) inline bool half_inputs_flushed_under_daz() {
+  const uint64_t saved = float_control();
+  set_float_control(saved | kFlushToZero | kDenormalsAreZero);
+  __m128i half = _mm_cvtsi32_si128(1);  // the smallest subnormal half, 2^-24
+  __m128 single;
+  __asm__ volatile("vcvtph2ps %1, %0" : "=x"(single) : "x"(half));
+  set_float_control(saved);
+  return _mm_cvtss_f32(single) == 0.f;
+}
+
+// The MXCSR bits kvpool's ops flush under: FTZ and DAZ, or FTZ alone on a CPU whose
+// half-float conversions DAZ would break (half_inputs_flushed_under_daz; asked once).
+inline uint64_t flush_denormals_control() {
+  static const uint64_t control =
+      __builtin_cpu_supports("f16c") && half_inputs_flushed_under_daz()
+          ? kFlushToZero
+          : kFlushToZero | kDenormalsAreZero;
+  return control;
+}
 #elif defined(__aarch64__)
-constexpr uint64_t kFlushDenormals = uint64_t{1} << 24;  // FPCR.FZ
+inline uint64_t flush_denormals_control() { return uint64_t{1} << 24; }  // FPCR.FZ
 inline uint64_t float_control() {
   uint64_t fpcr;
   __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
@@ -48,14 +75,15 @@ inline void set_float_control(uint64_t control) {
   __asm__ volatile("msr fpcr, %0" : : "r"(control));
 }
 #else
-constexpr uint64_t kFlushDenormals = 0;  // (no such control known here: left as it is)
+inline uint64_t flush_denormals_control() { return 0; }  // (no such control known here)
 inline uint64_t float_control() { return 0; }
 inline void set_float_control(uint64_t) {}
 #endif
 
 // Whether this thread flushes subnormal floats to zero now.
 inline bool flushing_denormals() {
-  return kFlushDenormals != 0 && (float_control() & kFlushDenormals) == kFlushDenormals;
+  const uint64_t control = flush_denormals_control();
+  return control != 0 && (float_control() & control) == control;
 }
 
 // For its lifetime, the thread computes under `control` (float_control's form).
@@ -97,7 +125,7 @@ class FlushDenormals {
     FlushScopes& scopes = flush_scopes();
     const uint64_t now = float_control();
     if (scopes.depth++ == 0) scopes.own = now;
-    return now | kFlushDenormals;
+    return now | flush_denormals_control();
   }
   ScopedFloatControl scope_;
 };
