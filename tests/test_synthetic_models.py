@@ -312,6 +312,40 @@ def test_quantized_weights_are_kept_once_in_their_blocks(tmp_path):
     assert isinstance(kept["blk.0.attn_norm.weight"], torch.Tensor)
 
 
+def test_the_load_asks_for_the_file_ahead_of_each_read(tmp_path, monkeypatch):
+    """Each read of tensor data first asks the OS for the READ_AHEAD_BYTES after it
+    (posix_fadvise WILLNEED: a file not yet in the page cache comes from the disk while
+    the loader packs what it read); where the OS refuses the advice, or has no such call
+    (macOS), the load is the same."""
+    import os
+
+    from kvpool.model import gguf_weights
+
+    path = write_model(tmp_path / "m.gguf", "llama", MIXES["k-quants"])
+    header = read_gguf_header(path)
+    calls = []
+    monkeypatch.setattr(os, "POSIX_FADV_WILLNEED", 3, raising=False)
+    monkeypatch.setattr(os, "posix_fadvise", lambda *call: calls.append(call), raising=False)
+    _, advised = load_gguf_weights(path, quantized=True)
+    ends = sorted(header.data_offset + t.offset + t.num_bytes for t in header.tensors)
+    assert [offset for _, offset, _, _ in calls] == ends  # (small: one read a tensor)
+    assert {(n, advice) for _, _, n, advice in calls} == {(gguf_weights.READ_AHEAD_BYTES, 3)}
+
+    def refuse(*call):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    _, refused = load_gguf_weights(path, quantized=True)
+    monkeypatch.delattr(os, "posix_fadvise")
+    _, without = load_gguf_weights(path, quantized=True)
+    for name, tensor in advised.items():
+        for other in (refused[name], without[name]):
+            if isinstance(tensor, QuantizedMatrix):
+                assert torch.equal(tensor.raw, other.raw), name
+            else:
+                assert torch.equal(tensor, other), name
+
+
 def _skip_without_packed_kernels() -> None:
     """The loader packs matrices only for kernels that multiply the packed layout (none of
     the generic variant's: a CPU without AVX2, such as aarch64)."""

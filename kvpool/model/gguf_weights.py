@@ -13,6 +13,7 @@ so the model uses the usual half-split rotary form.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections import Counter, deque
@@ -43,6 +44,10 @@ _EMBEDDING = "token_embd.weight"
 DEQUANTIZE_THREADS = 8
 # The most bytes of a packed matrix read at once before packing (_pack_in_slices)
 STAGING_BYTES = 32 << 20
+# Each read of the tensor data asks the OS for the next READ_AHEAD_BYTES of the file
+# (posix_fadvise WILLNEED, which starts the reads and returns): a file not yet in the page
+# cache comes from the disk while this thread packs what it has read, instead of after.
+READ_AHEAD_BYTES = 64 << 20
 
 
 PACKED = 0x100  # a type flag for the native ops: the tensor is in the packed layout
@@ -297,7 +302,14 @@ def _pack_in_slices(
 
 
 def _read_into(file, buffer: torch.Tensor, info: GGUFTensorInfo) -> torch.Tensor:
-    """Fills ``buffer`` (all of ``info``'s data, or a slice of its rows) from ``file``."""
+    """Fills ``buffer`` (all of ``info``'s data, or a slice of its rows) from ``file``,
+    having asked the OS for the ``READ_AHEAD_BYTES`` after it."""
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):  # (advice only: a file system may not take it)
+            os.posix_fadvise(
+                file.fileno(), file.tell() + buffer.numel(), READ_AHEAD_BYTES,
+                os.POSIX_FADV_WILLNEED,
+            )  # fmt: skip
     if file.readinto(memoryview(buffer.numpy())) != buffer.numel():
         raise UnsupportedModel(f"tensor {info.name}: the file ends inside its data")
     return buffer
