@@ -133,6 +133,102 @@ static inline int unit_bytes(int t) {
          : t == kQ2_K ? 64 : 128;
 }
 
+// Word-at-a-time packing of one row's unit (4 bytes of the unit's vectors at once: byte
+// lanes never spill into each other, as each lane's value fits its shifts).
+static inline uint32_t load32(const uint8_t* p) {
+  uint32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+static inline void store32(uint8_t* p, uint32_t v) { memcpy(p, &v, 4); }
+constexpr uint32_t kNibbles = 0x0F0F0F0Fu;
+
+// nibbles[128] of row r (bytes 32 q + 4 r ..), the unit's 32 values the nibbles at
+// `shift` (0: low, 4: high) of the 32 bytes v32 (Q4_K, Q5_K, Q6_K's low bits): values
+// 8 q + i and 8 q + 4 + i are bytes 8 q + i and 8 q + 4 + i.
+static inline void pack_nibbles32(const uint8_t* v32, int shift, int r, uint8_t* u) {
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t a = (load32(v32 + 8 * q) >> shift) & kNibbles;
+    const uint32_t b = (load32(v32 + 8 * q + 4) >> shift) & kNibbles;
+    store32(u + 32 * q + 4 * r, a | b << 4);
+  }
+}
+
+// The same for the legacy layout (Q4_0, Q4_1, Q5_0, IQ4): values 0-15 the low nibbles of
+// the 16 bytes v16, values 16-31 their high nibbles.
+static inline void pack_nibbles16(const uint8_t* v16, int r, uint8_t* u) {
+  for (int q = 0; q < 2; ++q) {
+    const uint32_t a = load32(v16 + 8 * q), b = load32(v16 + 8 * q + 4);
+    store32(u + 32 * q + 4 * r, (a & kNibbles) | (b & kNibbles) << 4);
+    store32(u + 32 * (q + 2) + 4 * r, (a >> 4 & kNibbles) | (b & ~kNibbles));
+  }
+}
+
+// fifth bits[32] of row r (Q5_K): value e's fifth bit is bit `shift` of byte e of qh32.
+static inline void pack_fifth_bits32(const uint8_t* qh32, int shift, int r, uint8_t* u) {
+  uint32_t bits = 0;
+  for (int q = 0; q < 4; ++q) {
+    bits |= ((load32(qh32 + 8 * q) >> shift) & 0x01010101u) << (2 * q);
+    bits |= ((load32(qh32 + 8 * q + 4) >> shift) & 0x01010101u) << (2 * q + 1);
+  }
+  store32(u + 128 + 4 * r, bits);
+}
+
+// high bits[64] of row r (Q6_K): value e's top 2 bits are bits shift, shift + 1 of byte e
+// of h32.
+static inline void pack_high_bits32(const uint8_t* h32, int shift, int r, uint8_t* u) {
+  for (int s = 0; s < 2; ++s) {
+    uint32_t bits = 0;
+    for (int h = 0; h < 2; ++h) {
+      const int q = 2 * s + h;
+      bits |= ((load32(h32 + 8 * q) >> shift) & 0x03030303u) << (4 * h);
+      bits |= ((load32(h32 + 8 * q + 4) >> shift) & 0x03030303u) << (4 * h + 2);
+    }
+    store32(u + 128 + 32 * s + 4 * r, bits);
+  }
+}
+
+// Whether pack_unit_words packs type t's units (the rest: unit_value_t's value by value).
+static constexpr bool packs_by_words(int t) {
+  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ8_0 || t == kQ4_K || t == kQ5_K ||
+         t == kQ6_K || iq4(t);
+}
+
+// Unit j of row r's file block b into the group's unit u, as the value-by-value loops in
+// pack_group_t would (the same bytes: test_quant_products checks the layout's values).
+template <int T>
+static inline void pack_unit_words(const uint8_t* b, int j, int r, uint8_t* u) {
+  switch (T) {
+    case kQ4_0: case kIQ4_NL: return pack_nibbles16(b + 2, r, u);
+    case kQ4_1: return pack_nibbles16(b + 4, r, u);
+    case kIQ4_XS: return pack_nibbles16(b + 8 + 16 * j, r, u);
+    case kQ5_0: {
+      pack_nibbles16(b + 6, r, u);
+      const uint32_t qh = load32(b + 2);  // bit e: value e's fifth bit
+      for (int i = 0; i < 4; ++i) {
+        int bits = 0;
+        for (int q = 0; q < 4; ++q)
+          bits |= ((qh >> (8 * q + i)) & 1) << (2 * q) | ((qh >> (8 * q + 4 + i)) & 1) << (2 * q + 1);
+        u[128 + 4 * r + i] = (uint8_t)bits;
+      }
+      return;
+    }
+    case kQ8_0:
+      for (int q = 0; q < 8; ++q) memcpy(u + 32 * q + 4 * r, b + 2 + 4 * q, 4);
+      return;
+    case kQ4_K: return pack_nibbles32(b + 16 + 32 * (j >> 1), 4 * (j & 1), r, u);
+    case kQ5_K:
+      pack_nibbles32(b + 48 + 32 * (j >> 1), 4 * (j & 1), r, u);
+      return pack_fifth_bits32(b + 16, j, r, u);
+    case kQ6_K: {
+      const int n = j >> 2, i = j & 3;
+      pack_nibbles32(b + 64 * n + 32 * (i & 1), 4 * (i >> 1), r, u);
+      return pack_high_bits32(b + 128 + 32 * n, 2 * i, r, u);
+    }
+    default: return;
+  }
+}
+
 // Repack rows [8 g, 8 g + 8) (file blocks, row_bytes apart) into one group (the type a
 // template parameter, so the loops below compile to straight byte shuffles).
 template <int T>
@@ -178,6 +274,11 @@ static inline void pack_group_t(const uint8_t* rows, int64_t row_bytes, uint8_t*
       }
     }
     uint8_t* body = o + header_bytes(t);
+    if constexpr (packs_by_words(T)) {
+      for (int j = 0; j < units; ++j)
+        for (int r = 0; r < kGroup; ++r) pack_unit_words<T>(src[r], j, r, body + j * unit_bytes(t));
+      continue;
+    }
     for (int j = 0; j < units; ++j) {
       uint8_t* u = body + j * unit_bytes(t);
       int v[kGroup][32];
