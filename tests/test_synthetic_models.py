@@ -312,24 +312,45 @@ def test_quantized_weights_are_kept_once_in_their_blocks(tmp_path):
     assert isinstance(kept["blk.0.attn_norm.weight"], torch.Tensor)
 
 
-def test_the_load_asks_for_the_file_ahead_of_each_read(tmp_path, monkeypatch):
-    """Each read of tensor data first asks the OS for the READ_AHEAD_BYTES after it
-    (posix_fadvise WILLNEED: a file not yet in the page cache comes from the disk while
-    the loader packs what it read); where the OS refuses the advice, or has no such call
-    (macOS), the load is the same."""
+def test_the_load_asks_for_the_file_ahead_of_its_reads(tmp_path, monkeypatch):
+    """While the loader reads, a thread asks the OS for the tensor data after its reads
+    (posix_fadvise WILLNEED, a chunk a call: a file not yet in the page cache comes from
+    the disk while the loader packs what it read): the data's chunks in the file's order,
+    none twice, at most READ_AHEAD_BYTES ahead of the reads. Where the OS refuses the
+    advice, or has no such call (macOS), the load is the same."""
     import os
+    import threading
 
     from kvpool.model import gguf_weights
 
     path = write_model(tmp_path / "m.gguf", "llama", MIXES["k-quants"])
     header = read_gguf_header(path)
-    calls = []
+    size = path.stat().st_size
+    monkeypatch.setattr(gguf_weights, "READ_AHEAD_CHUNK", 4096)
+    monkeypatch.setattr(gguf_weights, "READ_AHEAD_BYTES", 64 * 1024)
+    calls, reads = [], []
+    real_readinto = gguf_weights._ReadAhead.readinto
+
+    def readinto(self, buffer):
+        reads.append(self.tell())
+        return real_readinto(self, buffer)
+
+    def advise(fd, offset, length, advice):
+        assert threading.current_thread().name == "kvpool-read-ahead"
+        calls.append((offset, length, advice, reads[-1] if reads else header.data_offset))
+
+    monkeypatch.setattr(gguf_weights._ReadAhead, "readinto", readinto)
     monkeypatch.setattr(os, "POSIX_FADV_WILLNEED", 3, raising=False)
-    monkeypatch.setattr(os, "posix_fadvise", lambda *call: calls.append(call), raising=False)
+    monkeypatch.setattr(os, "posix_fadvise", advise, raising=False)
     _, advised = load_gguf_weights(path, quantized=True)
-    ends = sorted(header.data_offset + t.offset + t.num_bytes for t in header.tensors)
-    assert [offset for _, offset, _, _ in calls] == ends  # (small: one read a tensor)
-    assert {(n, advice) for _, _, n, advice in calls} == {(gguf_weights.READ_AHEAD_BYTES, 3)}
+    assert calls and reads == sorted(reads)  # (the loader reads in the file's order)
+    for (offset, length, advice, reading), following in zip(calls, [*calls[1:], None], strict=True):
+        assert advice == 3 and 0 < length <= 4096
+        assert header.data_offset <= offset and offset + length <= size
+        assert offset < reading + 64 * 1024  # (reading: where the loader's reads had got)
+        if following is not None:
+            assert following[0] >= offset + length  # in order, nothing asked twice
+    assert not any(t.name == "kvpool-read-ahead" for t in threading.enumerate())
 
     def refuse(*call):
         raise OSError(22, "Invalid argument")

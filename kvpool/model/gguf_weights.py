@@ -13,9 +13,9 @@ so the model uses the usual half-split rotary form.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
+import threading
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,10 +44,11 @@ _EMBEDDING = "token_embd.weight"
 DEQUANTIZE_THREADS = 8
 # The most bytes of a packed matrix read at once before packing (_pack_in_slices)
 STAGING_BYTES = 32 << 20
-# Each read of the tensor data asks the OS for the next READ_AHEAD_BYTES of the file
-# (posix_fadvise WILLNEED, which starts the reads and returns): a file not yet in the page
-# cache comes from the disk while this thread packs what it has read, instead of after.
-READ_AHEAD_BYTES = 64 << 20
+# The tensor data is asked of the OS up to READ_AHEAD_BYTES ahead of the loader's reads
+# (_ReadAhead), READ_AHEAD_CHUNK at a time: Linux starts at most its readahead size
+# (read_ahead_kb, 128 KiB to 8 MiB) of reads per posix_fadvise WILLNEED.
+READ_AHEAD_BYTES = 128 << 20
+READ_AHEAD_CHUNK = 4 << 20
 
 
 PACKED = 0x100  # a type flag for the native ops: the tensor is in the packed layout
@@ -224,7 +225,11 @@ def load_gguf_weights(
 
     # Read, not mapped: a mapped file's pages count in the process's resident memory as
     # they are touched, which put the peak at twice the file while the blocks are copied.
-    with pool, open(header.path, "rb", buffering=0) as file:
+    with (
+        pool,
+        open(header.path, "rb", buffering=0) as raw_file,
+        _ReadAhead(raw_file, header.data_offset) as file,
+    ):
         for i, info in enumerate(header.tensors):
             heads = _rotary_heads(config, info.name)
             file.seek(header.data_offset + info.offset)
@@ -302,17 +307,73 @@ def _pack_in_slices(
 
 
 def _read_into(file, buffer: torch.Tensor, info: GGUFTensorInfo) -> torch.Tensor:
-    """Fills ``buffer`` (all of ``info``'s data, or a slice of its rows) from ``file``,
-    having asked the OS for the ``READ_AHEAD_BYTES`` after it."""
-    if hasattr(os, "posix_fadvise"):
-        with contextlib.suppress(OSError):  # (advice only: a file system may not take it)
-            os.posix_fadvise(
-                file.fileno(), file.tell() + buffer.numel(), READ_AHEAD_BYTES,
-                os.POSIX_FADV_WILLNEED,
-            )  # fmt: skip
+    """Fills ``buffer`` (all of ``info``'s data, or a slice of its rows) from ``file``."""
     if file.readinto(memoryview(buffer.numpy())) != buffer.numel():
         raise UnsupportedModel(f"tensor {info.name}: the file ends inside its data")
     return buffer
+
+
+class _ReadAhead:
+    """The file, read as it is (seek, tell, readinto), while a thread asks the OS for what
+    comes after each read (posix_fadvise WILLNEED, ``READ_AHEAD_CHUNK`` a call, at most
+    ``READ_AHEAD_BYTES`` ahead of the reads): a file not yet in the page cache comes from
+    the disk while the loader packs what it has read, instead of after. The loader reads
+    in the file's order from ``start``; the advice never goes back behind the reads.
+    Advice only: where the OS has no such call (macOS) or refuses it, the thread ends and
+    the reads are the same. Invariant: the thread has ended when the ``with`` block has."""
+
+    def __init__(self, file, start: int) -> None:
+        self._file = file
+        self._fd = file.fileno()
+        self._end = os.fstat(self._fd).st_size
+        self._reading = start  # where the loader reads now (first: the data's start)
+        self._next = self._reading  # where the advice goes on from
+        self._stopped = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._advise, name="kvpool-read-ahead", daemon=True)
+
+    def __enter__(self) -> _ReadAhead:
+        if hasattr(os, "posix_fadvise"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def seek(self, offset: int) -> int:
+        return self._file.seek(offset)
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def readinto(self, buffer) -> int:
+        with self._changed:
+            self._reading = self._file.tell()
+            self._changed.notify()
+        return self._file.readinto(buffer)
+
+    def _advise(self) -> None:
+        while True:
+            with self._changed:
+                while not self._stopped and self._next >= min(
+                    self._end, self._reading + READ_AHEAD_BYTES
+                ):
+                    self._changed.wait()
+                if self._stopped:
+                    return
+                start = max(self._next, self._reading)
+                size = min(READ_AHEAD_CHUNK, self._end - start)
+                self._next = start + max(size, 0)
+                if size <= 0:
+                    continue
+            try:  # (the call starts the reads and returns; the GIL is let go meanwhile)
+                os.posix_fadvise(self._fd, start, size, os.POSIX_FADV_WILLNEED)
+            except OSError:  # (a file system that does not take the advice)
+                return
 
 
 def _native():
