@@ -91,40 +91,6 @@ static inline int64_t group_block_bytes(int t) {
 // Bytes of one packed group of 8 rows of k values.
 static inline int64_t group_bytes(int t, int64_t k) { return k / block_elems(t) * group_block_bytes(t); }
 
-// Value e (0..31) of unit j of a file block, as the unsigned (Q4_0, Q4_1, Q4_K: 0..15;
-// Q5_0, Q5_K: 0..31; Q6_K: 0..63; Q2_K: 0..3; Q3_K: 0..7, its offset of 4 to come;
-// IQ4's level indices: 0..15) or signed (Q8_0) integer the format stores.
-template <int T>
-static inline int unit_value_t(const uint8_t* b, int j, int e) {
-  switch (T) {
-    case kQ4_0: return e < 16 ? b[2 + e] & 0xF : b[2 + e - 16] >> 4;
-    case kQ4_1: return e < 16 ? b[4 + e] & 0xF : b[4 + e - 16] >> 4;
-    case kQ5_0: {
-      uint32_t qh;
-      memcpy(&qh, b + 2, 4);
-      return (e < 16 ? b[6 + e] & 0xF : b[6 + e - 16] >> 4) | (((qh >> e) & 1) << 4);
-    }
-    case kQ8_0: return (int8_t)b[2 + e];
-    case kQ4_K: return (b[16 + 32 * (j >> 1) + e] >> (4 * (j & 1))) & 0xF;
-    case kQ5_K:  // d, dmin, scales[12], qh[32] (bit j: unit j's), qs[128] (as Q4_K's)
-      return ((b[48 + 32 * (j >> 1) + e] >> (4 * (j & 1))) & 0xF) | (((b[16 + e] >> j) & 1) << 4);
-    case kQ6_K: {
-      const int n = j >> 2, i = j & 3;
-      const int low = (b[64 * n + 32 * (i & 1) + e] >> (4 * (i >> 1))) & 0xF;
-      const int high = (b[128 + 32 * n + e] >> (2 * i)) & 3;
-      return low | (high << 4);
-    }
-    case kIQ4_NL: return e < 16 ? b[2 + e] & 0xF : b[2 + e - 16] >> 4;
-    case kIQ4_XS: return e < 16 ? b[8 + 16 * j + e] & 0xF : b[8 + 16 * j + e - 16] >> 4;
-    // Q2_K: scales[16], qs[64]; Q3_K: hmask[32], qs[64] (a set bit j: unit j's value
-    // without the offset's -4): unit j's low bits are bits 2 (j % 4) of qs' 32 bytes j / 4
-    case kQ2_K: return (b[16 + 32 * (j >> 2) + e] >> (2 * (j & 3))) & 3;
-    case kQ3_K:
-      return ((b[32 + 32 * (j >> 2) + e] >> (2 * (j & 3))) & 3) | (((b[e] >> j) & 1) << 2);
-    default: return 0;
-  }
-}
-
 static inline int units_per_block(int t) { return block_elems(t) / 32; }
 
 // Bytes of one packed unit of 8 rows (its values; the scales are in the header).
@@ -133,8 +99,9 @@ static inline int unit_bytes(int t) {
          : t == kQ2_K ? 64 : 128;
 }
 
-// Word-at-a-time packing of one row's unit (4 bytes of the unit's vectors at once: byte
-// lanes never spill into each other, as each lane's value fits its shifts).
+// A row's unit is packed 4 bytes of the unit's vectors at a time (32-bit words, masks and
+// shifts: byte lanes never spill into each other, as each lane's value fits its shifts;
+// 2-8x the rate of value-by-value loops, docs/performance.md, fifty-third session).
 static inline uint32_t load32(const uint8_t* p) {
   uint32_t v;
   memcpy(&v, p, 4);
@@ -188,14 +155,34 @@ static inline void pack_high_bits32(const uint8_t* h32, int shift, int r, uint8_
   }
 }
 
-// Whether pack_unit_words packs type t's units (the rest: unit_value_t's value by value).
-static constexpr bool packs_by_words(int t) {
-  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ8_0 || t == kQ4_K || t == kQ5_K ||
-         t == kQ6_K || iq4(t);
+// two bits[64] of row r (Q2_K, Q3_K's low bits): value e's are bits shift, shift + 1 of
+// byte e of q32.
+static inline void pack_two_bits32(const uint8_t* q32, int shift, int r, uint8_t* u) {
+  for (int c = 0; c < 2; ++c) {
+    uint32_t bits = 0;
+    for (int f = 0; f < 4; ++f)
+      bits |= ((load32(q32 + 16 * c + 4 * f) >> shift) & 0x03030303u) << (2 * f);
+    store32(u + 32 * c + 4 * r, bits);
+  }
 }
 
-// Unit j of row r's file block b into the group's unit u, as the value-by-value loops in
-// pack_group_t would (the same bytes: test_quant_products checks the layout's values).
+// third bits[32] of row r (Q3_K): value e's third bit is bit `shift` of byte e of hm32.
+static inline void pack_third_bits32(const uint8_t* hm32, int shift, int r, uint8_t* u) {
+  uint32_t bits = 0;
+  for (int v = 0; v < 8; ++v) bits |= ((load32(hm32 + 4 * v) >> shift) & 0x01010101u) << v;
+  store32(u + 64 + 4 * r, bits);
+}
+
+// Unit j (values 32 j .. 32 j + 31) of row r's file block b into the group's unit u.
+// Where the file keeps a unit's values: Q4_0, Q4_1, IQ4_NL: 16 bytes after the header,
+// values 0-15 their low nibbles, 16-31 the high ones (IQ4_XS: unit j's 16 bytes at
+// 8 + 16 j); Q5_0 likewise, each value's fifth bit bit e of the uint32 qh; Q8_0: 32 bytes
+// of int8; Q4_K: the low (j even) or high nibbles of the 32 bytes at 16 + 32 (j / 2)
+// (Q5_K: at 48 + ..., the fifth bit bit j of qh[32] at 16); Q6_K: unit (n, i) = (j / 4,
+// j % 4) the nibbles (i / 2) of ql's 32 bytes at 64 n + 32 (i % 2), the top 2 bits bits
+// 2 i of qh's 32 bytes at 128 + 32 n; Q2_K: bits 2 (j % 4) of qs' 32 bytes at
+// 16 + 32 (j / 4) (Q3_K: at 32 + ..., the third bit bit j of hmask[32] at 0). The
+// test_quant_products tests check the packed layout's values against the gguf package's.
 template <int T>
 static inline void pack_unit_words(const uint8_t* b, int j, int r, uint8_t* u) {
   switch (T) {
@@ -225,12 +212,16 @@ static inline void pack_unit_words(const uint8_t* b, int j, int r, uint8_t* u) {
       pack_nibbles32(b + 64 * n + 32 * (i & 1), 4 * (i >> 1), r, u);
       return pack_high_bits32(b + 128 + 32 * n, 2 * i, r, u);
     }
+    case kQ2_K: return pack_two_bits32(b + 16 + 32 * (j >> 2), 2 * (j & 3), r, u);
+    case kQ3_K:
+      pack_two_bits32(b + 32 + 32 * (j >> 2), 2 * (j & 3), r, u);
+      return pack_third_bits32(b, j, r, u);
     default: return;
   }
 }
 
 // Repack rows [8 g, 8 g + 8) (file blocks, row_bytes apart) into one group (the type a
-// template parameter, so the loops below compile to straight byte shuffles).
+// template parameter: the switches compile away).
 template <int T>
 static inline void pack_group_t(const uint8_t* rows, int64_t row_bytes, uint8_t* out) {
   constexpr int t = T;
@@ -274,68 +265,8 @@ static inline void pack_group_t(const uint8_t* rows, int64_t row_bytes, uint8_t*
       }
     }
     uint8_t* body = o + header_bytes(t);
-    if constexpr (packs_by_words(T)) {
-      for (int j = 0; j < units; ++j)
-        for (int r = 0; r < kGroup; ++r) pack_unit_words<T>(src[r], j, r, body + j * unit_bytes(t));
-      continue;
-    }
-    for (int j = 0; j < units; ++j) {
-      uint8_t* u = body + j * unit_bytes(t);
-      int v[kGroup][32];
-      for (int r = 0; r < kGroup; ++r)
-        for (int e = 0; e < 32; ++e) v[r][e] = unit_value_t<T>(src[r], j, e);
-      if (two_bit(t)) {
-        for (int c = 0; c < 2; ++c)
-          for (int r = 0; r < kGroup; ++r)
-            for (int i = 0; i < 4; ++i) {
-              int bits = 0;
-              for (int f = 0; f < 4; ++f) bits |= (v[r][4 * (4 * c + f) + i] & 3) << (2 * f);
-              u[32 * c + 4 * r + i] = (uint8_t)bits;
-            }
-        if (t == kQ3_K)
-          for (int r = 0; r < kGroup; ++r)
-            for (int i = 0; i < 4; ++i) {
-              int bits = 0;
-              for (int vv = 0; vv < 8; ++vv) bits |= ((v[r][4 * vv + i] >> 2) & 1) << vv;
-              u[64 + 4 * r + i] = (uint8_t)bits;
-            }
-        continue;
-      }
-      if (t == kQ8_0) {
-        for (int jj = 0; jj < 8; ++jj)
-          for (int r = 0; r < kGroup; ++r)
-            for (int i = 0; i < 4; ++i) u[32 * jj + 4 * r + i] = (uint8_t)(int8_t)v[r][4 * jj + i];
-        continue;
-      }
-      for (int q = 0; q < 4; ++q)
-        for (int r = 0; r < kGroup; ++r)
-          for (int i = 0; i < 4; ++i)
-            u[32 * q + 4 * r + i] = (uint8_t)((v[r][8 * q + i] & 0xF) | ((v[r][8 * q + 4 + i] & 0xF) << 4));
-      if (five_bit(t)) {
-        for (int r = 0; r < kGroup; ++r)
-          for (int i = 0; i < 4; ++i) {
-            int bits = 0;
-            for (int q = 0; q < 4; ++q) {
-              bits |= ((v[r][8 * q + i] >> 4) & 1) << (2 * q);
-              bits |= ((v[r][8 * q + 4 + i] >> 4) & 1) << (2 * q + 1);
-            }
-            u[128 + 4 * r + i] = (uint8_t)bits;
-          }
-      }
-      if (t == kQ6_K) {
-        for (int s = 0; s < 2; ++s)
-          for (int r = 0; r < kGroup; ++r)
-            for (int i = 0; i < 4; ++i) {
-              int bits = 0;
-              for (int h = 0; h < 2; ++h) {
-                const int q = 2 * s + h;
-                bits |= ((v[r][8 * q + i] >> 4) & 3) << (4 * h);
-                bits |= ((v[r][8 * q + 4 + i] >> 4) & 3) << (4 * h + 2);
-              }
-              u[128 + 32 * s + 4 * r + i] = (uint8_t)bits;
-            }
-      }
-    }
+    for (int j = 0; j < units; ++j)
+      for (int r = 0; r < kGroup; ++r) pack_unit_words<T>(src[r], j, r, body + j * unit_bytes(t));
   }
 }
 
