@@ -329,15 +329,18 @@ def test_the_load_asks_for_the_file_ahead_of_its_reads(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_weights, "READ_AHEAD_CHUNK", 4096)
     monkeypatch.setattr(gguf_weights, "READ_AHEAD_BYTES", 64 * 1024)
     calls, reads = [], []
+    advised_once = threading.Event()  # (the first read waits for the thread's first call)
     real_readinto = gguf_weights._ReadAhead.readinto
 
     def readinto(self, buffer):
+        assert advised_once.wait(timeout=60)
         reads.append(self.tell())
         return real_readinto(self, buffer)
 
     def advise(fd, offset, length, advice):
         assert threading.current_thread().name == "kvpool-read-ahead"
         calls.append((offset, length, advice, reads[-1] if reads else header.data_offset))
+        advised_once.set()
 
     monkeypatch.setattr(gguf_weights._ReadAhead, "readinto", readinto)
     monkeypatch.setattr(os, "POSIX_FADV_WILLNEED", 3, raising=False)
@@ -356,6 +359,7 @@ def test_the_load_asks_for_the_file_ahead_of_its_reads(tmp_path, monkeypatch):
         raise OSError(22, "Invalid argument")
 
     monkeypatch.setattr(os, "posix_fadvise", refuse)
+    monkeypatch.setattr(gguf_weights._ReadAhead, "readinto", real_readinto)
     _, refused = load_gguf_weights(path, quantized=True)
     monkeypatch.delattr(os, "posix_fadvise")
     _, without = load_gguf_weights(path, quantized=True)
