@@ -358,8 +358,8 @@ class _ReadAhead:
 
     def _advise(self) -> None:
         while True:
-            with self._changed:
-                while not self._stopped and self._next >= min(
+            with self._changed:  # the next chunk starts at the reads or after them
+                while not self._stopped and max(self._next, self._reading) >= min(
                     self._end, self._reading + READ_AHEAD_BYTES
                 ):
                     self._changed.wait()
@@ -367,9 +367,7 @@ class _ReadAhead:
                     return
                 start = max(self._next, self._reading)
                 size = min(READ_AHEAD_CHUNK, self._end - start)
-                self._next = start + max(size, 0)
-                if size <= 0:
-                    continue
+                self._next = start + size
             try:  # (the call starts the reads and returns; the GIL is let go meanwhile)
                 os.posix_fadvise(self._fd, start, size, os.POSIX_FADV_WILLNEED)
             except OSError:  # (a file system that does not take the advice)
